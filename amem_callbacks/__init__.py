@@ -1,0 +1,26 @@
+"""Free idle NCCL communicator memory during RL rollout; restore it for training.
+
+Importing this package imports no torch; the public names load on first use.
+"""
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "OffloadPolicy": "amem_callbacks.policy",
+    "TransitionReport": "amem_callbacks.report",
+    "GroupReport": "amem_callbacks.report",
+    "name_group": "amem_callbacks.groups",
+    "AmemError": "amem_callbacks.errors",
+    "BackendUnavailable": "amem_callbacks.errors",
+    "SuspendedGroupError": "amem_callbacks.errors",
+    "TransitionTimeout": "amem_callbacks.errors",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'amem_callbacks' has no attribute {name!r}")

@@ -1,0 +1,155 @@
+"""Members of each group agree on its plan over the c10d store, never over the
+NCCL communicator that is about to be suspended.
+
+For each group and round: every member writes its vote; the lowest member
+(the leader) waits for all votes up to a deadline and writes the decision with
+an atomic ``compare_set``; a member that hears nothing from the leader in time
+writes "keep" with the same ``compare_set``. Whoever writes first wins and every
+member reads the one stored value, so all members act alike even when a rank is
+late, missing or dead, and nobody waits longer than about twice the timeout.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from datetime import timedelta
+
+YES = "suspend"
+NO = "keep"
+
+
+def vote_yes(backend_name: str) -> str:
+    return f"{YES}|{backend_name}"
+
+
+def vote_no(reason: str) -> str:
+    return f"{NO}|{reason}"
+
+
+def is_yes(value: str) -> bool:
+    return value.split("|", 1)[0] == YES
+
+
+def reason_of(value: str) -> str:
+    return value.split("|", 1)[1] if "|" in value else value
+
+
+class Agreement:
+    """Store-based agreement for groups of ranks; every method is bounded in time.
+
+    Args:
+        store: a c10d Store shared by all ranks (the default group's store).
+        rank: this process's global rank.
+        timeout_s: how long a leader waits for votes, and a member for outcomes.
+    """
+
+    def __init__(self, store, rank: int, timeout_s: float, namespace: str = "amem_callbacks"):
+        self.store = store
+        self.rank = rank
+        self.timeout_s = timeout_s
+        self.namespace = namespace
+        self._rounds = collections.Counter()
+
+    def _base(self, topic: str, key: str) -> tuple:
+        round_no = self._rounds[(topic, key)]
+        self._rounds[(topic, key)] += 1
+        return f"{self.namespace}/{topic}/{key}/{round_no}", round_no
+
+    def _wait(self, keys, deadline: float) -> bool:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return self.store.check(keys)
+        try:
+            self.store.wait(keys, timedelta(seconds=remaining))
+            return True
+        except RuntimeError:  # DistStoreError: timed out
+            return self.store.check(keys)
+
+    def _forget(self, topic: str, key: str, round_no: int, members) -> None:
+        """The leader drops round ``round_no - 2``: every member left it long ago."""
+        old = round_no - 2
+        if old < 0 or self.rank != min(members):
+            return
+        base = f"{self.namespace}/{topic}/{key}/{old}"
+        for name in [f"{base}/decision"] + [f"{base}/{r}" for r in members]:
+            try:
+                self.store.delete_key(name)
+            except RuntimeError:
+                pass
+
+    def decide(self, proposals: dict) -> dict:
+        """Collective over each group's members: agree on suspending it.
+
+        Args:
+            proposals: group key -> ``(member ranks, this rank's vote)``.
+        Returns:
+            group key -> the agreed value (``"suspend|backend"`` or
+            ``"keep|reason"``), identical on every member.
+        """
+        start = time.monotonic()
+        bases = {}
+        for key, (members, vote) in proposals.items():
+            base, round_no = self._base("plan", key)
+            bases[key] = base
+            self.store.set(f"{base}/{self.rank}", vote)
+            self._forget("plan", key, round_no, members)
+
+        vote_deadline = start + self.timeout_s
+        for key, (members, _vote) in proposals.items():
+            if self.rank != min(members):
+                continue
+            base = bases[key]
+            vote_keys = [f"{base}/{r}" for r in members]
+            if self._wait(vote_keys, vote_deadline):
+                votes = dict(zip(members, (v.decode() for v in self.store.multi_get(vote_keys))))
+                decision = _combine(votes)
+            else:
+                late = [r for r, k in zip(members, vote_keys) if not self.store.check([k])]
+                decision = vote_no(f"rank(s) {late} did not reach this transition within "
+                                   f"{self.timeout_s:g} s")
+            self.store.compare_set(f"{base}/decision", "", decision)
+
+        decisions = {}
+        member_deadline = start + 2 * self.timeout_s
+        for key, (members, _vote) in proposals.items():
+            dkey = f"{bases[key]}/decision"
+            if not self._wait([dkey], member_deadline):
+                self.store.compare_set(
+                    dkey, "", vote_no(f"leader rank {min(members)} did not decide within "
+                                      f"{2 * self.timeout_s:g} s"))
+            decisions[key] = self.store.get(dkey).decode()
+        return decisions
+
+    def exchange(self, values: dict) -> dict:
+        """Collective over each group's members: share one string, bounded wait.
+
+        Returns group key -> {rank: value or None if it did not arrive in time}.
+        """
+        deadline = time.monotonic() + self.timeout_s
+        bases = {}
+        for key, (members, value) in values.items():
+            base, round_no = self._base("outcome", key)
+            bases[key] = base
+            self.store.set(f"{base}/{self.rank}", value)
+            self._forget("outcome", key, round_no, members)
+        result = {}
+        for key, (members, _value) in values.items():
+            keys = [f"{bases[key]}/{r}" for r in members]
+            self._wait(keys, deadline)
+            present = [self.store.check([k]) for k in keys]
+            got = self.store.multi_get([k for k, ok in zip(keys, present) if ok]) if any(present) else []
+            got_iter = iter(v.decode() for v in got)
+            result[key] = {r: (next(got_iter) if ok else None) for r, ok in zip(members, present)}
+        return result
+
+
+def _combine(votes: dict) -> str:
+    """All members say suspend with the same backend -> suspend; else keep, saying why."""
+    refusals = [f"rank {r}: {reason_of(v)}" for r, v in sorted(votes.items()) if not is_yes(v)]
+    if refusals:
+        return vote_no("; ".join(refusals))
+    backends = {reason_of(v) for v in votes.values()}
+    if len(backends) > 1:
+        return vote_no(f"ranks use different backends {sorted(backends)}")
+    return next(iter(votes.values()))

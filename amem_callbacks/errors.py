@@ -1,0 +1,31 @@
+"""Exceptions raised by amem_callbacks; each message says what to do."""
+
+
+class AmemError(RuntimeError):
+    """Base class of every error this package raises on purpose."""
+
+
+class NcclError(AmemError):
+    """An NCCL call returned something other than ncclSuccess."""
+
+    def __init__(self, call: str, code: int, text: str):
+        super().__init__(f"{call} failed: {text} (ncclResult_t {code})")
+        self.call = call
+        self.code = code
+
+
+class BackendUnavailable(AmemError):
+    """A backend cannot work in this process; ``fix`` says how to make it work."""
+
+    def __init__(self, reason: str, fix: str = ""):
+        super().__init__(reason + (f" Fix: {fix}" if fix else ""))
+        self.reason = reason
+        self.fix = fix
+
+
+class SuspendedGroupError(AmemError):
+    """An operation was issued on a suspended group and could not be resumed safely."""
+
+
+class TransitionTimeout(AmemError):
+    """A suspend or resume did not finish in time (a peer rank is missing or dead)."""

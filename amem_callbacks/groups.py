@@ -1,0 +1,127 @@
+"""Every process group of this process, with a stable key, a readable name and
+its communicator.
+
+The key is torch's ``group_name``: the same string on every member rank, so it
+identifies a group across ranks (agreement keys, ordering). The name is what
+people and ``keep`` lists use: a role an adapter gave it (Megatron's "dp",
+"tp"), else the ``group_desc`` it was created with, else "world" for the
+default group, else the key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .backends.base import CommMemory
+
+#: Roles the adapters use; ``keep`` accepts these before the groups exist.
+KNOWN_ROLES = (
+    "world", "dp", "dp_cp", "cp", "tp", "pp", "mp", "ep", "tp_dp", "tp_dp_cp",
+    "expert_tp", "expert_dp", "tp_ep", "tp_ep_pp", "intra_dp_cp", "inter_dist_opt",
+    "embd", "pos_embd", "hierarchical_cp", "intra_expert_dp", "inter_expert_dp",
+    "vllm_tp", "model_parallel",
+)
+
+# group key -> role, set by adapters or users before or after the policy exists.
+_roles: dict = {}
+
+
+def name_group(group, role: str) -> None:
+    """Give a process group a role name (used in ``keep`` and in reports)."""
+    if not isinstance(role, str) or not role:
+        raise ValueError(f"a group role must be a non-empty string, got {role!r}")
+    _roles[group.group_name] = role
+
+
+def registered_roles() -> set:
+    return set(_roles.values())
+
+
+@dataclass
+class GroupInfo:
+    """One process group as this rank sees it."""
+
+    group: object
+    key: str
+    name: str
+    ranks: tuple
+    handle: object = None
+    why_no_handle: Optional[str] = None
+    memory: Optional[CommMemory] = None
+    memory_error: Optional[str] = None
+    aliases: frozenset = field(default_factory=frozenset)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def matches(self, names) -> bool:
+        return bool(self.aliases & set(names))
+
+
+def _describe(group, default_group) -> tuple:
+    key = group.group_name
+    desc = getattr(group, "group_desc", "") or ""
+    aliases = {key}
+    if desc and desc not in ("undefined",):
+        aliases.add(desc)
+        # DeviceMesh creates "mesh_<dim>" descriptions; the bare dim name is the role.
+        if desc.startswith("mesh_"):
+            aliases.add(desc[len("mesh_"):])
+    if group is default_group:
+        aliases.add("world")
+    role = _roles.get(key)
+    if role:
+        aliases.add(role)
+    name = role or ("world" if group is default_group else None) or (
+        desc if desc and desc not in ("undefined", "default_pg") else key)
+    return key, name, frozenset(aliases)
+
+
+def discover(backend, only=None) -> list:
+    """Every group this rank belongs to, sorted by key (the same order on all ranks).
+
+    ``only`` restricts discovery to the given process groups.
+    """
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if not dist.is_available() or not dist.is_initialized():
+        return []
+    default_group = c10d._get_default_group()
+    groups = list(only) if only is not None else list(c10d._world.pg_map.keys())
+    infos = []
+    for group in groups:
+        if group is None or group is dist.GroupMember.NON_GROUP_MEMBER:
+            continue
+        key, name, aliases = _describe(group, default_group)
+        ranks = tuple(sorted(dist.get_process_group_ranks(group)))
+        info = GroupInfo(group=group, key=key, name=name, ranks=ranks, aliases=aliases)
+        info.handle, info.why_no_handle = backend.communicator(group)
+        if info.handle is not None:
+            try:
+                info.memory = backend.memory(info.handle)
+            except Exception as exc:  # stats are advisory; the plan says why it skipped
+                info.memory_error = str(exc)
+        infos.append(info)
+    infos.sort(key=lambda info: info.key)
+    return infos
+
+
+def existing_group_names() -> set:
+    """Every alias of the groups that exist now (empty before init_process_group)."""
+    import sys
+
+    if "torch" not in sys.modules:
+        return set()
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if not dist.is_available() or not dist.is_initialized():
+        return set()
+    default_group = c10d._get_default_group()
+    names = set()
+    for group in list(c10d._world.pg_map.keys()):
+        names |= _describe(group, default_group)[2]
+    return names

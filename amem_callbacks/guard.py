@@ -1,0 +1,161 @@
+"""Stops torch.distributed calls from reaching a suspended communicator.
+
+NCCL does not check whether a communicator is suspended; a collective on one
+is undefined behaviour (measured: an illegal memory access that kills every
+rank). The guard wraps the public functions of ``torch.distributed``; while
+any group is suspended, a call on that group first asks its owner (the
+policy) to make it usable, which resumes it or raises.
+
+Not covered, because they do not pass through these Python functions: DDP's
+C++ reducer all-reduce and ``_broadcast_coalesced``, functional collectives
+(``torch.ops._c10d_functional``, used by DTensor and torch.compile),
+``isend``/``irecv`` called directly (``batch_isend_irecv`` is covered), methods
+called directly on a ProcessGroup object, and names bound with ``from
+torch.distributed import all_reduce`` before the guard was installed. The
+policy's ``end()`` resumes eagerly so these never meet a suspended group.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+
+COLLECTIVE = "collective"
+P2P = "p2p"
+P2P_BATCH = "p2p_batch"
+CREATE = "create"
+DESTROY = "destroy"
+
+#: torch.distributed function -> (kind, name of its group parameter)
+GUARDED_FUNCTIONS = {
+    **{name: (COLLECTIVE, "group") for name in (
+        "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_coalesced",
+        "all_gather_into_tensor", "_all_gather_base", "all_gather_single", "all_gather_object",
+        "gather", "reduce_scatter_single",
+        "gather_object", "scatter", "scatter_object_list", "broadcast",
+        "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+        "_reduce_scatter_base", "all_to_all", "all_to_all_single", "barrier",
+        "monitored_barrier")},
+    # isend/irecv are left alone: P2POp and batch_isend_irecv compare them by
+    # identity, so a wrapper would break batched point-to-point calls.
+    **{name: (P2P, "group") for name in ("send", "recv", "send_object_list", "recv_object_list")},
+    "batch_isend_irecv": (P2P_BATCH, "p2p_op_list"),
+    "new_group": (CREATE, None),
+    "split_group": (CREATE, "parent_pg"),
+    "destroy_process_group": (DESTROY, "group"),
+}
+
+# process group -> owner (an object with ``_before_use(group, kind, call)`` and
+# ``_forget(group)``). Empty whenever nothing is suspended: the fast path.
+_guarded: dict = {}
+_lock = threading.Lock()
+_originals: dict = {}
+
+
+def watch(group, owner) -> None:
+    with _lock:
+        _guarded[group] = owner
+
+
+def unwatch(group) -> None:
+    with _lock:
+        _guarded.pop(group, None)
+
+
+def watched() -> dict:
+    return dict(_guarded)
+
+
+def is_installed() -> bool:
+    return bool(_originals)
+
+
+def _group_argument(args, kwargs, position, name):
+    if name in kwargs:
+        return kwargs[name]
+    if position is not None and position < len(args):
+        return args[position]
+    return None
+
+
+def _wrap(fn, kind, param):
+    position = None
+    if param is not None:
+        try:
+            position = list(inspect.signature(fn).parameters).index(param)
+        except ValueError:
+            position = None
+
+    @functools.wraps(fn)
+    def guarded(*args, **kwargs):
+        if _guarded:
+            _before(fn.__name__, kind, _group_argument(args, kwargs, position, param), kwargs)
+        return fn(*args, **kwargs)
+
+    guarded.__amem_original__ = fn
+    return guarded
+
+
+def _default_group():
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_group()
+
+
+def _before(call: str, kind: str, group, kwargs) -> None:
+    if kind == P2P_BATCH:
+        for op in group or ():
+            _check(call, P2P, op.group if op.group is not None else _default_group())
+        return
+    if kind == CREATE:
+        if kwargs.get("use_local_synchronization"):
+            return  # only the new group's members call it: not a collective on the parent
+        _check(call, COLLECTIVE, group if group is not None else _default_group())
+        return
+    if kind == DESTROY:
+        targets = list(_guarded) if group is None else [group]
+        for target in targets:
+            owner = _guarded.get(target)
+            if owner is not None:
+                owner._forget(target)
+        return
+    _check(call, kind, group if group is not None else _default_group())
+
+
+def _check(call: str, kind: str, group) -> None:
+    owner = _guarded.get(group)
+    if owner is not None:
+        owner._before_use(group, kind, call)
+
+
+def install() -> None:
+    """Wrap the guarded functions in ``torch.distributed`` (idempotent)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    with _lock:
+        if _originals:
+            return
+        for name, (kind, param) in GUARDED_FUNCTIONS.items():
+            fn = getattr(c10d, name, None)
+            if fn is None:
+                continue
+            wrapped = _wrap(fn, kind, param)
+            _originals[name] = (fn, wrapped)
+            setattr(c10d, name, wrapped)
+            if getattr(dist, name, None) is fn:
+                setattr(dist, name, wrapped)
+
+
+def uninstall() -> None:
+    """Put the original functions back."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    with _lock:
+        for name, (fn, wrapped) in _originals.items():
+            for module in (c10d, dist):
+                if getattr(module, name, None) is wrapped:
+                    setattr(module, name, fn)
+        _originals.clear()

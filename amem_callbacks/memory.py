@@ -1,0 +1,42 @@
+"""Device-wide and host memory readings taken around a transition."""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+
+def device_free_bytes(device: Optional[int] = None) -> Optional[int]:
+    """cudaMemGetInfo's free bytes on the current device; None without CUDA.
+
+    Reads only when torch is already imported: a reading must never be the
+    reason torch (or CUDA) gets initialised.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    # Explicit device: transitions run on a worker thread whose current device
+    # is not the caller's.
+    if device is None:
+        device = torch.cuda.current_device()
+    torch.cuda.synchronize(device)
+    return torch.cuda.mem_get_info(device)[0]
+
+
+def current_device() -> Optional[int]:
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return torch.cuda.current_device()
+
+
+def host_rss_bytes() -> Optional[int]:
+    """Resident set size of this process (NCCL's pinned backups count here)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

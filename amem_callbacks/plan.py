@@ -1,0 +1,85 @@
+"""Which groups a phase suspends: a pure function of what this rank sees.
+
+Ranks can see slightly different inputs (memory stats, a group missing), so
+this is only each rank's *proposal*; :mod:`amem_callbacks.agreement` makes the
+members of each group agree before anything collective happens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+SUSPEND = "suspend"
+KEEP = "keep"
+
+
+@dataclass(frozen=True)
+class Decision:
+    key: str
+    name: str
+    action: str
+    reason: str = ""
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def make_plan(groups, phase: str, keep, min_bytes: int, host_cap: Optional[int],
+              process_wide: bool, backend_name: str) -> list:
+    """One :class:`Decision` per group, in the order of ``groups``.
+
+    Args:
+        groups: :class:`~amem_callbacks.groups.GroupInfo` list (sorted by key).
+        keep: names the phase leaves active.
+        min_bytes: groups with less suspendable memory stay active (a transition
+            costs hundreds of ms whatever the size).
+        host_cap: most bytes NCCL may copy to pinned host memory in total.
+        process_wide: the backend cannot keep single groups (AMem).
+    """
+    decisions = []
+    seen_handles = {}
+    host_total = 0
+    for info in groups:
+        def keep_because(reason, info=info):
+            decisions.append(Decision(info.key, info.name, KEEP, reason))
+
+        if info.matches(keep):
+            keep_because(f"kept active for phase {phase!r}")
+        elif info.handle is None:
+            keep_because(info.why_no_handle or "no communicator")
+        elif info.memory_error:
+            keep_because(f"NCCL memory stats failed: {info.memory_error}")
+        elif info.memory is not None and info.memory.suspended:
+            keep_because("already suspended outside this policy")
+        elif info.memory is not None and info.memory.suspendable < min_bytes:
+            keep_because(f"suspendable memory {_mib(info.memory.suspendable)} "
+                         f"< min_bytes {_mib(min_bytes)}")
+        elif _handle_key(info.handle) in seen_handles:
+            keep_because(f"shares its communicator with {seen_handles[_handle_key(info.handle)]}")
+        elif (host_cap is not None and info.memory is not None
+              and host_total + info.memory.suspendable > host_cap):
+            keep_because(f"host memory cap {_mib(host_cap)} would be exceeded "
+                         f"({_mib(host_total)} already planned)")
+        else:
+            seen_handles[_handle_key(info.handle)] = info.name
+            if info.memory is not None:
+                host_total += info.memory.suspendable
+            decisions.append(Decision(info.key, info.name, SUSPEND))
+
+    if process_wide:
+        kept_nccl = [d.name for d, g in zip(decisions, groups)
+                     if d.action == KEEP and g.handle is not None and g.matches(keep)]
+        if kept_nccl:
+            reason = (f"backend {backend_name!r} pauses every communicator of the process, so it "
+                      f"cannot keep {kept_nccl} active; use backend='nccl' or an empty keep list")
+            decisions = [Decision(d.key, d.name, KEEP, d.reason if d.action == KEEP else reason)
+                         for d in decisions]
+    return decisions
+
+
+def _handle_key(handle):
+    """ncclComm_t values compare by address; other handles by identity."""
+    handle = getattr(handle, "ptr", handle)
+    return handle if isinstance(handle, int) else id(handle)

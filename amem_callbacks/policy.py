@@ -1,0 +1,300 @@
+"""``OffloadPolicy``: suspend idle NCCL groups for a phase, resume them after."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from typing import Iterable, Mapping, Optional, Union
+
+from .backends import CHOICES, select_backend, validate_backend_name
+from .report import Counters, TransitionReport
+
+logger = logging.getLogger("amem_callbacks")
+
+GUARD_MODES = ("resume", "strict", "off")
+DEFAULT_MIN_BYTES = 16 * 2**20
+
+
+class OffloadPolicy:
+    """Frees the device memory of idle NCCL communicators during a phase.
+
+    ``begin(phase)`` and ``end(phase)`` are collective: every rank calls them,
+    in the same order relative to its other collective calls. Each call is
+    bounded in time; no rank waits forever for another.
+
+    Args:
+        backend: "auto" (nccl, then amem, else leave training untouched),
+            "nccl", "amem", "noop" (dry run), or a Backend instance.
+        keep: names of groups the phase still uses (roles such as "tp", a
+            ``group_desc``, "world"), for every phase; or a dict
+            ``{phase: names}``.
+        min_bytes: groups with less suspendable NCCL memory stay active.
+        guard: "resume" (a call on a suspended group resumes it first),
+            "strict" (such a call raises), or "off".
+        overlap: ``begin``/``end`` return at once and the transition runs in
+            the background; a call on a group waits for it (via the guard).
+        timeout_s: longest wait for one suspend/resume; default: the group's
+            c10d timeout.
+        agree_timeout_s: how long members wait for each other to agree on a
+            plan before leaving a group active.
+        host_memory_cap_bytes: most bytes NCCL may copy to pinned host memory;
+            groups past the cap stay active.
+        groups: consider only these process groups (default: all).
+        backend_options: per-backend keyword arguments, e.g.
+            ``{"amem": {"library_path": "...", "group_id": 1}}``.
+
+    Example:
+        >>> policy = OffloadPolicy(keep=["tp"])
+        >>> with policy.phase("rollout"):
+        ...     outputs = engine.generate(prompts)
+    """
+
+    def __init__(self, backend: Union[str, object] = "auto",
+                 keep: Union[Iterable[str], Mapping[str, Iterable[str]]] = (), *,
+                 min_bytes: int = DEFAULT_MIN_BYTES, guard: str = "resume",
+                 overlap: bool = False, timeout_s: Optional[float] = None,
+                 agree_timeout_s: float = 120.0, host_memory_cap_bytes: Optional[int] = None,
+                 groups: Optional[Iterable] = None, backend_options: Optional[dict] = None):
+        if isinstance(backend, str):
+            validate_backend_name(backend)
+        elif not all(hasattr(backend, a) for a in ("check", "suspend", "resume", "communicator")):
+            raise ValueError(f"backend must be one of {CHOICES} or a Backend instance, "
+                             f"got {backend!r}")
+        if guard not in GUARD_MODES:
+            raise ValueError(f"unknown guard mode {guard!r}: write one of {GUARD_MODES}")
+        _check_number("min_bytes", min_bytes, minimum=0, integer=True)
+        _check_number("agree_timeout_s", agree_timeout_s, minimum=0, exclusive=True)
+        if timeout_s is not None:
+            _check_number("timeout_s", timeout_s, minimum=0, exclusive=True)
+        if host_memory_cap_bytes is not None:
+            _check_number("host_memory_cap_bytes", host_memory_cap_bytes, minimum=0,
+                          integer=True)
+        if not isinstance(overlap, bool):
+            raise ValueError(f"overlap must be True or False, got {overlap!r}")
+        if backend_options is not None and not isinstance(backend_options, dict):
+            raise ValueError("backend_options must be a dict such as "
+                             "{'amem': {'library_path': '/path/libnccl.so.2'}}")
+        unknown_options = set(backend_options or {}) - set(CHOICES)
+        if unknown_options:
+            raise ValueError(f"backend_options has unknown backends {sorted(unknown_options)}: "
+                             f"use {CHOICES[1:]}")
+        self._keep = _normalise_keep(keep)
+        self.backend_spec = backend
+        self.min_bytes = min_bytes
+        self.guard_mode = guard
+        self.overlap = overlap
+        self.timeout_s = timeout_s
+        self.agree_timeout_s = agree_timeout_s
+        self.host_memory_cap_bytes = host_memory_cap_bytes
+        self._only = list(groups) if groups is not None else None
+        self._backend_options = backend_options or {}
+        self.counters = Counters()
+        self.last_report: Optional[TransitionReport] = None
+        self.backend = None
+        self.backend_description = ""
+        self.inert = False
+        self._engine = None
+        self._phase: Optional[str] = None
+        self._pending = None
+        self._lock = threading.RLock()
+
+    # --- public ----------------------------------------------------------
+    @property
+    def active_phase(self) -> Optional[str]:
+        return self._phase
+
+    def keep_for(self, phase: str) -> frozenset:
+        return self._keep.get(phase, frozenset()) | self._keep.get("*", frozenset())
+
+    def begin(self, phase: str = "rollout") -> TransitionReport:
+        """Collective over all ranks: suspend the groups ``phase`` leaves idle.
+
+        Defined corner cases: called while a phase is active, it does nothing
+        and logs a warning; before ``init_process_group`` it does nothing.
+        """
+        _check_phase(phase)
+        with self._lock:
+            if self._phase is not None:
+                logger.warning("amem_callbacks: begin(%r) while phase %r is active: ignored",
+                               phase, self._phase)
+                return self._skipped(phase, "begin", f"phase {self._phase!r} is already active")
+            self._phase = phase
+            if not _distributed_ready():
+                return self._skipped(phase, "begin", "torch.distributed is not initialized")
+            self._setup()
+            if self.inert:
+                return self._skipped(phase, "begin", self.backend_description)
+            self._wait_pending()
+            self.counters.begins += 1
+            report = TransitionReport(phase=phase, kind="begin", backend=self.backend.name,
+                                      started=time.monotonic(), pending=True)
+            from .groups import discover
+            from .plan import make_plan
+
+            groups = discover(self.backend, self._only)
+            plan = make_plan(groups, phase, self.keep_for(phase), self.min_bytes,
+                             self.host_memory_cap_bytes, self.backend.process_wide,
+                             self.backend.name)
+            return self._run(self._engine.begin(report, groups, plan), report)
+
+    def end(self, phase: Optional[str] = None) -> TransitionReport:
+        """Collective over all ranks: resume what ``begin`` suspended.
+
+        ``end`` with no active phase does nothing; ``end`` naming a phase
+        other than the active one raises ValueError.
+        """
+        if phase is not None:
+            _check_phase(phase)
+        with self._lock:
+            if self._phase is None:
+                logger.debug("amem_callbacks: end(%r) with no active phase: ignored", phase)
+                return self._skipped(phase or "", "end", "no phase is active")
+            if phase is not None and phase != self._phase:
+                raise ValueError(f"end({phase!r}) but the active phase is {self._phase!r}: "
+                                 f"call end({self._phase!r})")
+            phase, self._phase = self._phase, None
+            if self._engine is None:
+                return self._skipped(phase, "end", self.backend_description
+                                     or "torch.distributed is not initialized")
+            self.counters.ends += 1
+            report = TransitionReport(phase=phase, kind="end", backend=self.backend.name,
+                                      started=time.monotonic(), pending=True)
+            return self._run(self._engine.end(report), report)
+
+    @contextlib.contextmanager
+    def phase(self, name: str = "rollout"):
+        """``with policy.phase("rollout"): ...``: begin on entry, end on exit.
+
+        If the body raises, the groups are *not* resumed (that is collective
+        and the other ranks may not be here); the guard resumes a group if the
+        program uses it again.
+        """
+        report = self.begin(name)
+        try:
+            yield report
+        except BaseException:
+            with self._lock:
+                if self._phase == name:
+                    self._phase = None
+            raise
+        self.end(name)
+
+    def wait(self, timeout_s: Optional[float] = None) -> Optional[TransitionReport]:
+        """Block until an overlapped transition has finished; returns its report."""
+        with self._lock:
+            self._wait_pending(timeout_s)
+            return self.last_report
+
+    def metrics(self, prefix: str = "amem/") -> dict:
+        """The last transition's figures and the running totals, flat."""
+        out = self.counters.as_dict(prefix)
+        if self.last_report is not None and not self.last_report.pending:
+            out.update(self.last_report.as_dict(prefix))
+        return out
+
+    def close(self) -> None:
+        """End an active phase (collective) and wait for pending work."""
+        if self._phase is not None:
+            self.end()
+        self.wait()
+
+    # --- internals -------------------------------------------------------
+    def _run(self, task, report: TransitionReport) -> TransitionReport:
+        self.last_report = report
+        self._pending = task
+        if not self.overlap:
+            self._wait_pending()
+        return report
+
+    def _wait_pending(self, timeout_s: Optional[float] = None) -> None:
+        task, self._pending = self._pending, None
+        if task is not None:
+            task.wait(timeout_s or self.timeout_s or 1800.0)
+
+    def _skipped(self, phase: str, kind: str, why: str) -> TransitionReport:
+        report = TransitionReport(phase=phase, kind=kind,
+                                  backend=getattr(self.backend, "name", "none"), skipped=why)
+        self.last_report = report
+        return report
+
+    def _setup(self) -> None:
+        """First begin on this rank: pick a backend and make all ranks agree on it."""
+        if self._engine is not None or self.inert:
+            return
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+
+        from . import guard
+        from .agreement import Agreement, is_yes, reason_of, vote_no, vote_yes
+        from .memory import current_device
+        from .transitions import Transitions
+
+        backend, description, inert = select_backend(self.backend_spec, self._backend_options)
+        agreement = Agreement(c10d._get_default_store(), dist.get_rank(), self.agree_timeout_s)
+        world = tuple(range(dist.get_world_size()))
+        vote = vote_no(description) if inert else vote_yes(backend.name)
+        agreed = agreement.decide({"__backend__": (world, vote)})["__backend__"]
+        self.backend = backend
+        if not is_yes(agreed):
+            if not inert:
+                logger.warning("amem_callbacks: not every rank can use backend %r (%s); "
+                               "training runs unchanged", backend.name, reason_of(agreed))
+            self.inert = True
+            self.backend_description = reason_of(agreed)
+            return
+        self.backend_description = description
+        self._engine = Transitions(backend, agreement, current_device(), self.timeout_s,
+                                   self.counters)
+        self._engine.strict = self.guard_mode == "strict"
+        if self.guard_mode != "off":
+            guard.install()
+
+
+def _distributed_ready() -> bool:
+    import sys
+
+    if "torch" not in sys.modules:
+        return False
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _check_phase(phase) -> None:
+    if not isinstance(phase, str) or not phase:
+        raise ValueError(f"a phase is a non-empty string such as 'rollout', got {phase!r}")
+
+
+def _check_number(name, value, minimum, integer=False, exclusive=False) -> None:
+    kind = int if integer else (int, float)
+    ok = isinstance(value, kind) and not isinstance(value, bool)
+    ok = ok and (value > minimum if exclusive else value >= minimum)
+    if not ok:
+        bound = f"> {minimum}" if exclusive else f">= {minimum}"
+        what = "an integer" if integer else "a number"
+        raise ValueError(f"{name} must be {what} {bound}, got {value!r}")
+
+
+def _normalise_keep(keep) -> dict:
+    """``keep`` as {phase or "*": frozenset(names)}, validated against known names."""
+    from .groups import KNOWN_ROLES, existing_group_names, registered_roles
+
+    if isinstance(keep, str):
+        raise ValueError(f"keep must be a list of group names, e.g. [{keep!r}], not a string")
+    by_phase = dict(keep) if isinstance(keep, Mapping) else {"*": keep}
+    valid = set(KNOWN_ROLES) | registered_roles() | existing_group_names()
+    out = {}
+    for phase, names in by_phase.items():
+        if isinstance(names, str):
+            raise ValueError(f"keep[{phase!r}] must be a list of group names, e.g. [{names!r}]")
+        names = frozenset(names)
+        unknown = sorted(n for n in names if not isinstance(n, str) or n not in valid)
+        if unknown:
+            raise ValueError(
+                f"unknown group name(s) {unknown} in keep: use group roles {sorted(valid)}, "
+                "or name your group first with amem_callbacks.name_group(group, 'name') or "
+                "new_group(..., group_desc='name')")
+        out[phase] = names
+    return out

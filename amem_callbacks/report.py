@@ -1,0 +1,138 @@
+"""Typed results of transitions, and their flat ``amem/...`` form for loggers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+SUSPENDED = "suspended"
+RESUMED = "resumed"
+KEPT = "kept"
+FAILED = "failed"
+WOULD_SUSPEND = "would suspend"  # dry run (noop backend)
+WOULD_RESUME = "would resume"
+
+
+@dataclass
+class GroupReport:
+    key: str
+    name: str
+    size: int
+    action: str
+    reason: str = ""
+    suspendable_bytes: Optional[int] = None
+    persist_bytes: Optional[int] = None
+    seconds: float = 0.0
+    error: Optional[str] = None
+
+
+@dataclass
+class TransitionReport:
+    """What one ``begin`` or ``end`` did on this rank."""
+
+    phase: str
+    kind: str  # "begin" or "end"
+    backend: str
+    groups: list = field(default_factory=list)
+    device_free_before: Optional[int] = None
+    device_free_after: Optional[int] = None
+    host_rss_before: Optional[int] = None
+    host_rss_after: Optional[int] = None
+    agree_seconds: float = 0.0
+    total_seconds: float = 0.0  # agreement + NCCL calls of this rank
+    wall_seconds: float = 0.0  # from the call until the transition had finished
+    started: float = 0.0  # time.monotonic() at the call
+    skipped: Optional[str] = None  # why the whole transition did nothing
+    pending: bool = False  # True while an overlapped transition still runs
+
+    def _with(self, action: str) -> list:
+        return [g for g in self.groups if g.action == action]
+
+    @property
+    def suspended(self) -> list:
+        return self._with(SUSPENDED)
+
+    @property
+    def kept(self) -> list:
+        return self._with(KEPT)
+
+    @property
+    def failed(self) -> list:
+        return self._with(FAILED)
+
+    @property
+    def nccl_bytes(self) -> int:
+        """NCCL's suspendable bytes of the groups this transition moved."""
+        moved = (SUSPENDED, RESUMED)
+        return sum(g.suspendable_bytes or 0 for g in self.groups if g.action in moved)
+
+    @property
+    def device_freed_bytes(self) -> Optional[int]:
+        """Device free memory gained (begin) or given back (end, negative)."""
+        if self.device_free_before is None or self.device_free_after is None:
+            return None
+        return self.device_free_after - self.device_free_before
+
+    @property
+    def host_rss_delta(self) -> Optional[int]:
+        if self.host_rss_before is None or self.host_rss_after is None:
+            return None
+        return self.host_rss_after - self.host_rss_before
+
+    def as_dict(self, prefix: str = "amem/") -> dict:
+        """Flat numbers for framework loggers (wandb, tensorboard, trainer.log)."""
+        p = f"{prefix}{self.kind}/"
+        out = {
+            p + "groups_suspended": len(self.suspended) if self.kind == "begin" else 0,
+            p + "groups_resumed": len(self._with(RESUMED)),
+            p + "groups_kept": len(self.kept),
+            p + "groups_failed": len(self.failed),
+            p + "nccl_bytes": self.nccl_bytes,
+            p + "seconds": self.total_seconds,
+            p + "agree_seconds": self.agree_seconds,
+            p + "wall_seconds": self.wall_seconds,
+        }
+        if self.device_freed_bytes is not None:
+            out[p + "device_freed_bytes"] = self.device_freed_bytes
+        if self.host_rss_delta is not None:
+            out[p + "host_rss_delta_bytes"] = self.host_rss_delta
+        for g in self.groups:
+            if g.action in (SUSPENDED, RESUMED, FAILED):
+                out[f"{p}group/{g.name}/seconds"] = g.seconds
+                out[f"{p}group/{g.name}/bytes"] = g.suspendable_bytes or 0
+        return out
+
+    def summary(self) -> str:
+        """One log line."""
+        if self.skipped:
+            return f"{self.kind}({self.phase!r}): nothing done: {self.skipped}"
+        parts = [f"{self.kind}({self.phase!r}) via {self.backend}:"]
+        for action in (SUSPENDED, RESUMED, WOULD_SUSPEND, WOULD_RESUME, FAILED):
+            names = [g.name for g in self._with(action)]
+            if names:
+                parts.append(f"{action} {names}")
+        if self.kept:
+            parts.append(f"kept {len(self.kept)}")
+        parts.append(f"NCCL {self.nccl_bytes / 2**20:.0f} MiB")
+        if self.device_freed_bytes is not None:
+            parts.append(f"device free {self.device_freed_bytes / 2**20:+.0f} MiB")
+        parts.append(f"in {self.total_seconds:.3f} s")
+        return " ".join(parts)
+
+
+@dataclass
+class Counters:
+    """Cumulative figures over the life of a policy."""
+
+    begins: int = 0
+    ends: int = 0
+    group_suspends: int = 0
+    group_resumes: int = 0
+    auto_resumes: int = 0
+    failures: int = 0
+    transition_seconds: float = 0.0
+    last_device_freed_bytes: int = 0
+    max_device_freed_bytes: int = 0
+
+    def as_dict(self, prefix: str = "amem/") -> dict:
+        return {f"{prefix}total/{name}": value for name, value in self.__dict__.items()}

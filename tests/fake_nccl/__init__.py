@@ -1,0 +1,64 @@
+"""Builds the stand-in NCCL library and drives its test controls."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+import tempfile
+
+SOURCE = os.path.join(os.path.dirname(__file__), "fake_nccl.c")
+VARIANTS = {
+    "suspend": [],
+    "old": ["-DNO_SUSPEND", "-DFAKE_VERSION=22809", '-DFAKE_VERSION_STR="2.28.9"'],
+    "amem": ["-DAMEM", "-DNO_SUSPEND", "-DFAKE_VERSION=22705", '-DFAKE_VERSION_STR="2.27.5"'],
+}
+SUSPEND_OP, RESUME_OP = 0, 1
+
+
+def build(variant: str = "suspend", out_dir: str = None) -> str:
+    """Compile a variant once per folder and return the library path."""
+    out_dir = out_dir or os.environ.get("AMEM_FAKE_NCCL_DIR") or tempfile.mkdtemp(prefix="fake-nccl-")
+    path = os.path.join(out_dir, f"libnccl-fake-{variant}.so")
+    if not os.path.exists(path):
+        compiler = shutil.which("cc") or shutil.which("gcc")
+        if compiler is None:
+            raise RuntimeError("the fake NCCL tests need a C compiler: apt-get install gcc")
+        tmp = path + f".{os.getpid()}.tmp"
+        subprocess.run([compiler, "-shared", "-fPIC", "-O1", "-Wall", "-Werror", *VARIANTS[variant],
+                        "-o", tmp, SOURCE], check=True)
+        os.replace(tmp, path)
+    return path
+
+
+class FakeControls:
+    """ctypes access to the fake library's test-only functions."""
+
+    def __init__(self, path: str):
+        self.lib = ctypes.CDLL(path)
+        self.lib.fakeCommCreate.restype = ctypes.c_void_p
+        self.lib.fakeCommCreate.argtypes = (ctypes.c_uint64, ctypes.c_uint64)
+        for name in ("fakeCommInject", "fakeCommSetDelayUs", "fakeCommSuspended", "fakeCommCount"):
+            getattr(self.lib, name).argtypes = {
+                "fakeCommInject": (ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                   ctypes.c_int),
+                "fakeCommSetDelayUs": (ctypes.c_void_p, ctypes.c_int),
+                "fakeCommSuspended": (ctypes.c_void_p,),
+                "fakeCommCount": (ctypes.c_void_p, ctypes.c_int),
+            }[name]
+
+    def create(self, suspendable: int, persist: int = 4 << 20) -> int:
+        return self.lib.fakeCommCreate(suspendable, persist)
+
+    def inject(self, comm: int, op: int, code: int, times: int = 1, half: bool = False) -> None:
+        self.lib.fakeCommInject(comm, op, code, times, int(half))
+
+    def delay(self, comm: int, microseconds: int) -> None:
+        self.lib.fakeCommSetDelayUs(comm, microseconds)
+
+    def suspended(self, comm: int) -> bool:
+        return bool(self.lib.fakeCommSuspended(comm))
+
+    def count(self, comm: int, op: int) -> int:
+        return self.lib.fakeCommCount(comm, op)

@@ -1,0 +1,118 @@
+/* A stand-in for libnccl.so.2 with the ABI of the functions amem_callbacks binds.
+ *
+ * Communicators are plain structs made by fakeCommCreate; suspend state, memory
+ * stats, result codes and call counts behave like NCCL >= 2.29.7's (double
+ * suspend and resume-while-active are ncclInvalidUsage). Build variants:
+ *   default      NCCL 2.32.3 with ncclCommSuspend/Resume/MemStats
+ *   -DNO_SUSPEND an older NCCL (2.28.9) without them
+ *   -DAMEM       AMem's patched NCCL 2.27.5: ncclPause/ncclResume, process-wide
+ * FAKE_NCCL_VERSION in the environment overrides the reported version.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+typedef int ncclResult_t;
+enum { ncclSuccess = 0, ncclUnhandledCudaError = 1, ncclSystemError = 2, ncclInternalError = 3,
+       ncclInvalidArgument = 4, ncclInvalidUsage = 5 };
+
+#ifndef FAKE_VERSION
+#define FAKE_VERSION 23203
+#endif
+#ifndef FAKE_VERSION_STR
+#define FAKE_VERSION_STR "2.32.3"
+#endif
+/* Library files carry this banner; amem_callbacks reads it without loading. */
+const char fake_nccl_banner[] = "NCCL version " FAKE_VERSION_STR "+fake";
+
+typedef struct fakeComm {
+  uint64_t suspendable, persist;
+  int suspended;
+  int fail_op, fail_code, fail_times, fail_half; /* inject: op 0 suspend, 1 resume */
+  int delay_us;
+  int suspends, resumes;
+} fakeComm;
+
+ncclResult_t ncclGetVersion(int* version) {
+  const char* env = getenv("FAKE_NCCL_VERSION");
+  *version = env ? atoi(env) : FAKE_VERSION;
+  return ncclSuccess;
+}
+
+const char* ncclGetErrorString(ncclResult_t result) {
+  switch (result) {
+    case ncclSuccess: return "no error";
+    case ncclUnhandledCudaError: return "unhandled cuda error (fake)";
+    case ncclSystemError: return "unhandled system error (fake)";
+    case ncclInternalError: return "internal error (fake)";
+    case ncclInvalidArgument: return "invalid argument (fake)";
+    case ncclInvalidUsage: return "invalid usage (fake)";
+    default: return "unknown result code (fake)";
+  }
+}
+
+const char* ncclGetLastError(void* comm) { (void)comm; return "fake last error"; }
+
+#ifndef NO_SUSPEND
+static int injected(fakeComm* c, int op) {
+  if (c->fail_times > 0 && c->fail_op == op) { c->fail_times--; return c->fail_code; }
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommSuspend(fakeComm* c, int flags) {
+  if (!c || flags != 1) return ncclInvalidArgument;
+  ncclResult_t r = injected(c, 0);
+  if (r != ncclSuccess) { if (c->fail_half) c->suspended = 1; return r; }
+  if (c->suspended) return ncclInvalidUsage;
+  if (c->delay_us) usleep(c->delay_us);
+  c->suspended = 1; c->suspends++;
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommResume(fakeComm* c) {
+  if (!c) return ncclInvalidArgument;
+  ncclResult_t r = injected(c, 1);
+  if (r != ncclSuccess) return r;
+  if (!c->suspended) return ncclInvalidUsage;
+  if (c->delay_us) usleep(c->delay_us);
+  c->suspended = 0; c->resumes++;
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommMemStats(fakeComm* c, int stat, uint64_t* value) {
+  if (!c || !value) return ncclInvalidArgument;
+  switch (stat) {
+    case 0: *value = c->suspendable; break;
+    case 1: *value = (uint64_t)c->suspended; break;
+    case 2: *value = c->persist; break;
+    case 3: *value = c->suspendable + c->persist; break;
+    default: return ncclInvalidArgument;
+  }
+  return ncclSuccess;
+}
+#endif
+
+#ifdef AMEM
+static int amem_paused, amem_group_id, amem_pauses, amem_resumes;
+ncclResult_t ncclPause(void** comm) { (void)comm; amem_paused = 1; amem_pauses++; return ncclSuccess; }
+ncclResult_t ncclResume(void** comm) { (void)comm; amem_paused = 0; amem_resumes++; return ncclSuccess; }
+ncclResult_t ncclMemStats(void) { return ncclSuccess; }
+ncclResult_t ncclSetGroupID(int id) { amem_group_id = id; return ncclSuccess; }
+ncclResult_t ncclGetGroupID(int* id) { *id = amem_group_id; return ncclSuccess; }
+int fakeAmemPaused(void) { return amem_paused; }
+int fakeAmemCount(int op) { return op == 0 ? amem_pauses : amem_resumes; }
+#endif
+
+/* --- test controls ---------------------------------------------------- */
+fakeComm* fakeCommCreate(uint64_t suspendable, uint64_t persist) {
+  fakeComm* c = calloc(1, sizeof(fakeComm));
+  c->suspendable = suspendable; c->persist = persist;
+  return c;
+}
+void fakeCommInject(fakeComm* c, int op, int code, int times, int half) {
+  c->fail_op = op; c->fail_code = code; c->fail_times = times; c->fail_half = half;
+}
+void fakeCommSetDelayUs(fakeComm* c, int us) { c->delay_us = us; }
+int fakeCommSuspended(fakeComm* c) { return c->suspended; }
+int fakeCommCount(fakeComm* c, int op) { return op == 0 ? c->suspends : c->resumes; }

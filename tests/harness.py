@@ -1,0 +1,80 @@
+"""Runs a scenario in N fresh processes (one per rank) and collects their results.
+
+Each rank is its own interpreter, as under torchrun, so nothing leaks between
+scenarios. A scenario that outlives ``timeout`` counts as a hang: every rank is
+killed and the test fails saying so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RankFailure(AssertionError):
+    pass
+
+
+def run_ranks(scenario: str, world: int = 2, timeout: float = 90.0, args: dict = None,
+              env: dict = None, expect_ok: bool = True) -> list:
+    """Run ``tests.scenarios.<scenario>`` on ``world`` ranks; return their result dicts.
+
+    Each result has ``rank``, ``returncode`` and whatever the scenario returned
+    (``result``), or ``error`` with the traceback.
+    """
+    out_dir = tempfile.mkdtemp(prefix=f"amem-{scenario}-")
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        rank_env = dict(os.environ)
+        rank_env.update(env or {})
+        rank_env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                        AMEM_TEST_OUT=out_dir, PYTHONPATH=ROOT + os.pathsep + rank_env.get("PYTHONPATH", ""))
+        log = open(os.path.join(out_dir, f"rank{rank}.log"), "w")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "tests.scenarios", scenario, json.dumps(args or {})],
+            cwd=ROOT, env=rank_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+    deadline = time.monotonic() + timeout
+    hung = False
+    for proc in procs:
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            hung = True
+    if hung:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    results = []
+    for rank, proc in enumerate(procs):
+        path = os.path.join(out_dir, f"rank{rank}.json")
+        data = json.load(open(path)) if os.path.exists(path) else {}
+        data.update(rank=rank, returncode=proc.returncode)
+        data["log"] = open(os.path.join(out_dir, f"rank{rank}.log")).read()[-6000:]
+        results.append(data)
+    if hung:
+        raise RankFailure(f"scenario {scenario!r} hung past {timeout} s:\n"
+                          + "\n".join(f"--- rank {r['rank']}\n{r['log']}" for r in results))
+    if expect_ok:
+        bad = [r for r in results if r["returncode"] != 0 or "error" in r]
+        if bad:
+            raise RankFailure(f"scenario {scenario!r} failed:\n" + "\n".join(
+                f"--- rank {r['rank']} rc={r['returncode']}\n{r.get('error', '')}\n{r['log']}"
+                for r in bad))
+    return results

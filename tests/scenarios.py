@@ -1,0 +1,401 @@
+"""Multi-rank scenarios on gloo, run by tests.harness in fresh processes.
+
+Usage (done by the harness): ``python -m tests.scenarios NAME JSON_ARGS`` with
+RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and AMEM_TEST_OUT set.
+Each scenario returns a JSON-able dict, written to AMEM_TEST_OUT/rank<r>.json.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from amem_callbacks import OffloadPolicy, name_group
+from amem_callbacks.backends.nccl import NcclBackend
+from amem_callbacks.errors import SuspendedGroupError
+from amem_callbacks.nccl_library import NcclLibrary
+from tests.fake_nccl import RESUME_OP, SUSPEND_OP, FakeControls, build
+
+SCENARIOS = {}
+MiB = 2**20
+
+
+def scenario(fn):
+    SCENARIOS[fn.__name__] = fn
+    return fn
+
+
+def rank() -> int:
+    return dist.get_rank()
+
+
+def init(timeout_s: float = 60):
+    from datetime import timedelta
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+
+
+class FakeNccl:
+    """A fake NCCL communicator behind every gloo group of this process."""
+
+    def __init__(self, variant: str = "suspend", sizes: dict = None, default_mib: int = 480):
+        self.path = build(variant, os.environ.get("AMEM_FAKE_NCCL_DIR"))
+        self.controls = FakeControls(self.path)
+        self.library = NcclLibrary.open(self.path)
+        self.sizes = sizes or {}
+        self.default_mib = default_mib
+        self.comms = {}  # group name (role or desc) -> fake comm
+
+    def handle_of(self, group):
+        from amem_callbacks.groups import _describe
+        from torch.distributed import distributed_c10d as c10d
+
+        name = _describe(group, c10d._get_default_group())[1]
+        if name not in self.comms:
+            size = self.sizes.get(name, self.default_mib)
+            self.comms[name] = self.controls.create(int(size * MiB))
+        return self.comms[name], None
+
+    def backend(self) -> NcclBackend:
+        return NcclBackend(library=self.library, handle_of=self.handle_of)
+
+    def suspended(self) -> dict:
+        return {name: self.controls.suspended(c) for name, c in sorted(self.comms.items())}
+
+
+def make_groups(world: int) -> dict:
+    """world, dp (all ranks), tp (all ranks), pairs; the same calls on every rank."""
+    groups = {"world": dist.group.WORLD}
+    groups["dp"] = dist.new_group(list(range(world)), group_desc="dp")
+    groups["tp"] = dist.new_group(list(range(world)))
+    name_group(groups["tp"], "tp")
+    groups["ep"] = dist.new_group(list(range(world)))
+    name_group(groups["ep"], "ep")
+    return groups
+
+
+def allreduce_ok(group, value: float = 1.0) -> bool:
+    t = torch.full((16,), float(rank() + 1) * value)
+    dist.all_reduce(t, group=group)
+    n = dist.get_world_size(group)
+    expected = value * n * (n + 1) / 2 if n == dist.get_world_size() else None
+    return expected is None or bool(torch.all(t == expected))
+
+
+def summarize(report) -> dict:
+    return {
+        "skipped": report.skipped,
+        "groups": {g.name: [g.action, g.reason, g.error] for g in report.groups},
+        "nccl_bytes": report.nccl_bytes,
+        "agree_seconds": report.agree_seconds,
+        "flat": report.as_dict(),
+    }
+
+
+@scenario
+def discovery(args):
+    init()
+    groups = make_groups(dist.get_world_size())
+    from amem_callbacks.backends.noop import NoopBackend
+    from amem_callbacks.groups import discover
+
+    infos = discover(NoopBackend())
+    return {"groups": [[i.key, i.name, list(i.ranks), sorted(i.aliases)] for i in infos],
+            "ranks_of_tp": dist.get_process_group_ranks(groups["tp"])}
+
+
+@scenario
+def fake_cycle(args):
+    """Plan, agree, suspend, keep, resume on fake NCCL; collectives exact throughout."""
+    init()
+    groups = make_groups(dist.get_world_size())
+    for g in groups.values():
+        allreduce_ok(g)
+    fake = FakeNccl(sizes={"ep": 2})  # ep is under min_bytes
+    policy = OffloadPolicy(backend=fake.backend(), keep=["tp"], agree_timeout_s=20,
+                           timeout_s=30)
+    cycles = []
+    for cycle in range(args.get("cycles", 3)):
+        begin = policy.begin("rollout")
+        during = fake.suspended()
+        kept_ok = allreduce_ok(groups["tp"])  # the kept group works during the phase
+        end = policy.end("rollout")
+        after = fake.suspended()
+        exact = all(allreduce_ok(g, cycle + 2) for g in groups.values())
+        cycles.append({"begin": summarize(begin), "end": summarize(end), "during": during,
+                       "after": after, "kept_ok": kept_ok, "exact": exact})
+    return {"cycles": cycles, "counters": policy.counters.as_dict(),
+            "metrics": policy.metrics(),
+            "counts": {n: [fake.controls.count(c, SUSPEND_OP), fake.controls.count(c, RESUME_OP)]
+                       for n, c in fake.comms.items()}}
+
+
+@scenario
+def guard(args):
+    """A call on a suspended group resumes it first (resume) or raises (strict)."""
+    init()
+    world = dist.get_world_size()
+    groups = make_groups(world)
+    pair = dist.new_group([0, 1], group_desc="pair")
+    for g in list(groups.values()) + [pair]:
+        allreduce_ok(g)
+    fake = FakeNccl()
+    mode = args.get("mode", "resume")
+    policy = OffloadPolicy(backend=fake.backend(), guard=mode, agree_timeout_s=20, timeout_s=30)
+    out = {}
+    policy.begin("rollout")
+    out["suspended_before"] = fake.suspended()
+    try:
+        out["dp_exact"] = allreduce_ok(groups["dp"], 3.0)
+        out["dp_suspended_after_call"] = fake.suspended()["dp"]
+    except SuspendedGroupError as exc:
+        out["dp_error"] = str(exc)
+    # point-to-point on a 2-rank group: both ranks call -> resuming is safe
+    if rank() < 2:
+        t = torch.full((4,), float(rank()))
+        try:
+            if rank() == 0:
+                dist.send(t + 7, dst=1, group=pair)
+            else:
+                dist.recv(t, src=0, group=pair)
+                out["p2p_value"] = t.tolist()
+        except SuspendedGroupError as exc:
+            out["p2p_error"] = str(exc)
+    if world > 2 and rank() < 2:
+        t = torch.zeros(4)
+        try:
+            if rank() == 0:
+                dist.send(t, dst=1, group=groups["ep"])
+            else:
+                dist.recv(t, src=0, group=groups["ep"])
+        except SuspendedGroupError as exc:
+            out["p2p_big_group_error"] = str(exc)
+    # barrier on the world group goes through the guard too
+    try:
+        dist.barrier()
+        out["barrier_ok"] = True
+    except SuspendedGroupError as exc:
+        out["barrier_error"] = str(exc)
+    end = policy.end("rollout")
+    out["end"] = summarize(end)
+    out["after"] = fake.suspended()
+    out["auto_resumes"] = policy.counters.auto_resumes
+    out["exact_after"] = all(allreduce_ok(g, 5.0) for g in groups.values())
+    return out
+
+
+@scenario
+def disagree(args):
+    """Ranks disagree (keep sets, a group missing on one rank): kept, bounded, no hang."""
+    init()
+    world = dist.get_world_size()
+    groups = make_groups(world)
+    for g in groups.values():
+        allreduce_ok(g)
+    fake = FakeNccl()
+    keep = ["tp"] if rank() == 0 else ["ep"]
+    only = None
+    if args.get("missing_group") and rank() == 1:
+        only = [g for n, g in groups.items() if n != "dp"]
+    policy = OffloadPolicy(backend=fake.backend(), keep=keep, groups=only,
+                           agree_timeout_s=args.get("agree_timeout_s", 3), timeout_s=30)
+    start = time.monotonic()
+    begin = policy.begin("rollout")
+    took = time.monotonic() - start
+    during = fake.suspended()
+    exact_during = allreduce_ok(groups["tp"]) and allreduce_ok(groups["ep"])
+    end = policy.end("rollout")
+    return {"begin": summarize(begin), "during": during, "took": took,
+            "exact_during": exact_during, "end": summarize(end),
+            "exact_after": all(allreduce_ok(g) for g in groups.values())}
+
+
+@scenario
+def late_rank(args):
+    """One rank reaches begin() long after the agreement timeout: the group stays
+    active on all ranks, nobody blocks past the bound, and the next cycle works."""
+    init()
+    groups = make_groups(dist.get_world_size())
+    for g in groups.values():
+        allreduce_ok(g)
+    fake = FakeNccl()
+    timeout = args.get("agree_timeout_s", 2)
+    policy = OffloadPolicy(backend=fake.backend(), agree_timeout_s=timeout, timeout_s=30)
+    policy.begin("setup-check")  # every rank does the backend agreement together
+    policy.end("setup-check")
+    if rank() == 1:
+        time.sleep(timeout * 2 + 1)
+    start = time.monotonic()
+    begin = policy.begin("rollout")
+    took = time.monotonic() - start
+    during = fake.suspended()
+    policy.end("rollout")
+    dist.barrier()
+    second = policy.begin("rollout")
+    during2 = fake.suspended()
+    policy.end("rollout")
+    return {"begin": summarize(begin), "took": took, "during": during,
+            "second": summarize(second), "during2": during2,
+            "exact": all(allreduce_ok(g) for g in groups.values())}
+
+
+@scenario
+def inject(args):
+    """An NCCL error on one group of one rank: that group active on every rank,
+    the others proceed, ranks stay in step."""
+    init()
+    groups = make_groups(dist.get_world_size())
+    for g in groups.values():
+        allreduce_ok(g)
+    fake = FakeNccl()
+    policy = OffloadPolicy(backend=fake.backend(), agree_timeout_s=20, timeout_s=30)
+    for g in groups.values():  # create the fake comms before injecting
+        fake.handle_of(g)
+    op = SUSPEND_OP if args["op"] == "suspend" else RESUME_OP
+    if rank() == args.get("on_rank", 0):
+        fake.controls.inject(fake.comms[args.get("group", "dp")], op, args.get("code", 1),
+                             times=args.get("times", 1), half=args.get("half", False))
+    begin = policy.begin("rollout")
+    during = fake.suspended()
+    end = policy.end("rollout")
+    out = {"begin": summarize(begin), "during": during, "end": summarize(end),
+           "after": fake.suspended(), "failures": policy.counters.failures}
+    try:
+        out["exact_after"] = all(allreduce_ok(g) for g in groups.values())
+    except SuspendedGroupError as exc:
+        out["guard_error"] = str(exc)
+    # one more clean cycle: ranks are still in step
+    if "guard_error" not in out:
+        second = policy.begin("rollout")
+        out["second"] = summarize(second)
+        policy.end("rollout")
+        out["exact_second"] = all(allreduce_ok(g) for g in groups.values())
+    return out
+
+
+@scenario
+def backend_mismatch(args):
+    """Rank 0 could suspend, rank 1 has no usable backend: all ranks run unchanged."""
+    init()
+    groups = make_groups(dist.get_world_size())
+    fake = FakeNccl("suspend" if rank() == 0 else "old")
+    policy = OffloadPolicy(backend=fake.backend(), agree_timeout_s=20)
+    begin = policy.begin("rollout")
+    during = fake.suspended()
+    policy.end("rollout")
+    return {"begin": summarize(begin), "inert": policy.inert, "during": during,
+            "why": policy.backend_description,
+            "exact": all(allreduce_ok(g) for g in groups.values())}
+
+
+@scenario
+def noop_dry_run(args):
+    init()
+    groups = make_groups(dist.get_world_size())
+    policy = OffloadPolicy(backend="noop", keep=["tp"], agree_timeout_s=20)
+    begin = policy.begin("rollout")
+    exact = allreduce_ok(groups["dp"])  # guard "resumes" (dry) and counts it
+    end = policy.end("rollout")
+    return {"begin": summarize(begin), "end": summarize(end), "exact": exact,
+            "auto_resumes": policy.counters.auto_resumes}
+
+
+@scenario
+def amem_fake(args):
+    """Process-wide backend: refuses when groups must stay active, else pauses once."""
+    init()
+    groups = make_groups(dist.get_world_size())
+    from amem_callbacks.backends.amem import AmemBackend
+
+    fake = FakeNccl("amem")
+    os.environ.update(NCCL_CUMEM_ENABLE="1", AMEM_ENABLE="1")
+    backend = AmemBackend(library=fake.library, handle_of=fake.handle_of)
+    policy = OffloadPolicy(backend=backend, keep=args.get("keep", []), agree_timeout_s=20)
+    import ctypes
+
+    paused = fake.controls.lib.fakeAmemPaused
+    begin = policy.begin("rollout")
+    during = paused()
+    out = {"begin": summarize(begin), "paused_during": during}
+    if args.get("keep"):
+        out["tp_ok"] = allreduce_ok(groups["tp"])
+    else:
+        try:
+            allreduce_ok(groups["tp"])
+        except SuspendedGroupError as exc:
+            out["subgroup_error"] = str(exc)
+    end = policy.end("rollout")
+    out.update(end=summarize(end), paused_after=paused(),
+               pauses=fake.controls.lib.fakeAmemCount(ctypes.c_int(0)),
+               exact=all(allreduce_ok(g) for g in groups.values()))
+    return out
+
+
+@scenario
+def lifecycle(args):
+    """begin twice, end without begin, end naming another phase, context manager."""
+    init()
+    groups = make_groups(dist.get_world_size())
+    for g in groups.values():
+        allreduce_ok(g)
+    fake = FakeNccl()
+    policy = OffloadPolicy(backend=fake.backend(), agree_timeout_s=20)
+    out = {"end_without_begin": policy.end("rollout").skipped}
+    policy.begin("rollout")
+    out["second_begin"] = policy.begin("rollout").skipped
+    try:
+        policy.end("eval")
+    except ValueError as exc:
+        out["wrong_end"] = str(exc)
+    out["during"] = fake.suspended()
+    policy.end("rollout")
+    out["after"] = fake.suspended()
+    with policy.phase("rollout") as rep:
+        out["ctx_during"] = fake.suspended()
+        out["ctx_begin"] = summarize(rep)
+    out["ctx_after"] = fake.suspended()
+    try:
+        with policy.phase("rollout"):
+            raise KeyError("boom")
+    except KeyError:
+        pass
+    out["after_exception_phase"] = policy.active_phase
+    out["after_exception"] = fake.suspended()
+    out["exact"] = all(allreduce_ok(g) for g in groups.values())  # guard resumes
+    out["auto_resumes"] = policy.counters.auto_resumes
+    out["after_guard"] = fake.suspended()
+    return out
+
+
+def main() -> None:
+    name, args = sys.argv[1], json.loads(sys.argv[2])
+    logging.basicConfig(level=logging.INFO, format=f"[rank {os.environ['RANK']}] %(message)s")
+    out_path = os.path.join(os.environ["AMEM_TEST_OUT"], f"rank{os.environ['RANK']}.json")
+    try:
+        result = {"result": SCENARIOS[name](args)}
+    except BaseException:
+        result = {"error": traceback.format_exc()}
+    with open(out_path, "w") as f:
+        json.dump(result, f, default=str)
+    if dist.is_initialized():
+        # Leave together: gloo can abort a process whose peer tore down first.
+        from torch.distributed import distributed_c10d as c10d
+
+        store = c10d._get_default_store()
+        store.add("amem_test_exit", 1)
+        deadline = time.monotonic() + 30
+        while int(store.add("amem_test_exit", 0)) < dist.get_world_size() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        dist.destroy_process_group()
+    sys.exit(1 if "error" in result else 0)
+
+
+if __name__ == "__main__":
+    main()
