@@ -31,12 +31,14 @@ class RankFailure(AssertionError):
 
 def run_ranks(scenario: str, world: int = 2, timeout: float = 90.0, args: dict = None,
               env: dict = None, expect_ok: bool = True) -> list:
-    """Run ``tests.scenarios.<scenario>`` on ``world`` ranks; return their result dicts.
+    """Run a scenario on ``world`` ranks; return their result dicts.
+
+    ``scenario`` is a function name in tests.scenarios, or ``module:function``.
 
     Each result has ``rank``, ``returncode`` and whatever the scenario returned
     (``result``), or ``error`` with the traceback.
     """
-    out_dir = tempfile.mkdtemp(prefix=f"amem-{scenario}-")
+    out_dir = tempfile.mkdtemp(prefix=f"amem-{scenario.replace(':', '-')}-")
     port = free_port()
     procs = []
     for rank in range(world):

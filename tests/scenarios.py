@@ -1,6 +1,7 @@
 """Multi-rank scenarios on gloo, run by tests.harness in fresh processes.
 
 Usage (done by the harness): ``python -m tests.scenarios NAME JSON_ARGS`` with
+NAME a function here or ``package.module:function`` elsewhere, and
 RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and AMEM_TEST_OUT set.
 Each scenario returns a JSON-able dict, written to AMEM_TEST_OUT/rank<r>.json.
 """
@@ -314,6 +315,7 @@ def amem_fake(args):
     groups = make_groups(dist.get_world_size())
     from amem_callbacks.backends.amem import AmemBackend
 
+    pair = dist.new_group([0, 1])
     fake = FakeNccl("amem")
     os.environ.update(NCCL_CUMEM_ENABLE="1", AMEM_ENABLE="1")
     backend = AmemBackend(library=fake.library, handle_of=fake.handle_of)
@@ -327,10 +329,13 @@ def amem_fake(args):
     if args.get("keep"):
         out["tp_ok"] = allreduce_ok(groups["tp"])
     else:
-        try:
-            allreduce_ok(groups["tp"])
-        except SuspendedGroupError as exc:
-            out["subgroup_error"] = str(exc)
+        if rank() < 2:
+            try:
+                allreduce_ok(pair)
+            except SuspendedGroupError as exc:
+                out["subgroup_error"] = str(exc)
+        out["world_sized_ok"] = allreduce_ok(groups["tp"])  # every rank calls: resumes
+        out["paused_after_guard"] = paused()
     end = policy.end("rollout")
     out.update(end=summarize(end), paused_after=paused(),
                pauses=fake.controls.lib.fakeAmemCount(ctypes.c_int(0)),
@@ -378,8 +383,15 @@ def main() -> None:
     name, args = sys.argv[1], json.loads(sys.argv[2])
     logging.basicConfig(level=logging.INFO, format=f"[rank {os.environ['RANK']}] %(message)s")
     out_path = os.path.join(os.environ["AMEM_TEST_OUT"], f"rank{os.environ['RANK']}.json")
+    if ":" in name:  # "tests.other_module:function" for scenarios kept elsewhere
+        import importlib
+
+        module, function = name.split(":")
+        fn = getattr(importlib.import_module(module), function)
+    else:
+        fn = SCENARIOS[name]
     try:
-        result = {"result": SCENARIOS[name](args)}
+        result = {"result": fn(args)}
     except BaseException:
         result = {"error": traceback.format_exc()}
     with open(out_path, "w") as f:
