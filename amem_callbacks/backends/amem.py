@@ -67,10 +67,11 @@ class AmemBackend(Backend):
         lib = self._library or NcclLibrary.loaded()
         if self.library_path and (lib is None or not _same_file(lib.path, self.library_path)):
             raise BackendUnavailable(self._not_loaded_reason(lib), self._load_fix())
-        if lib is None or not lib.is_amem:
-            found = f"{lib.path} (NCCL {lib.version_str})" if lib else "no NCCL"
+        if lib is None:
+            raise BackendUnavailable("no NCCL library is loaded in this process.", self._load_fix())
+        if not lib.is_amem:
             raise BackendUnavailable(
-                f"the NCCL in this process is not AMem's ({found} has no ncclPause).",
+                f"the loaded NCCL ({lib.path}, {lib.version_str}) is not AMem's: it has no ncclPause.",
                 self._load_fix())
         missing = [name for name in AMEM_ENV if os.environ.get(name) != "1"]
         if missing:

@@ -1,0 +1,163 @@
+"""``amem-callbacks doctor``: what this machine offers and what to fix, as text or JSON."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+from . import __version__
+
+
+@dataclass
+class Problem:
+    what: str
+    fix: str
+
+
+@dataclass
+class Diagnosis:
+    facts: dict = field(default_factory=dict)
+    problems: list = field(default_factory=list)
+    backend: str = "none"
+    backend_reason: str = ""
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def diagnose(amem_library: Optional[str] = None) -> Diagnosis:
+    """Collect facts; every problem comes with the exact fix."""
+    d = Diagnosis()
+    f = d.facts
+    f["amem_callbacks"] = __version__
+    f["python"] = platform.python_version()
+    try:
+        import torch
+    except ImportError:
+        d.problems.append(Problem("torch is not installed",
+                                  "pip install torch (the CUDA build your framework needs)"))
+        return d
+    f["torch"] = torch.__version__
+    f["torch_cuda"] = torch.version.cuda
+    f["cuda_available"] = torch.cuda.is_available()
+    f["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
+        if torch.cuda.is_available() else []
+    if not torch.version.cuda:
+        d.problems.append(Problem("this torch is a CPU-only build: there is no NCCL to suspend",
+                                  "install a CUDA build of torch on the GPU machines"))
+    _nccl_facts(d, torch)
+    _env_facts(d, amem_library)
+    _pick(d, amem_library)
+    return d
+
+
+def _nccl_facts(d: Diagnosis, torch) -> None:
+    from .backends.nccl import suspend_capable_nccl_fix, torch_has_native_suspend
+    from .nccl_library import SUSPEND_MIN_VERSION, NcclLibrary, loaded_nccl_paths, version_string
+
+    f = d.facts
+    try:
+        built = torch.cuda.nccl.version() if torch.version.cuda else None
+    except Exception:
+        built = None
+    f["nccl_torch_built_with"] = version_string(built) if isinstance(built, tuple) else None
+    f["torch_native_suspend_api"] = torch_has_native_suspend()
+    lib = NcclLibrary.loaded()
+    paths = loaded_nccl_paths()
+    f["nccl_loaded_paths"] = paths
+    if lib is None:
+        f["nccl_loaded"] = None
+        if torch.version.cuda:
+            d.problems.append(Problem("torch has not loaded an NCCL library in this process",
+                                      suspend_capable_nccl_fix()))
+        return
+    f["nccl_loaded"] = lib.version_str
+    f["nccl_symbols"] = {name: lib.has(name) for name in (
+        "ncclCommSuspend", "ncclCommResume", "ncclCommMemStats", "ncclPause", "ncclResume",
+        "ncclSetGroupID")}
+    if len(paths) > 1:
+        d.problems.append(Problem(f"{len(paths)} NCCL libraries are mapped ({paths}); only the one "
+                                  "torch uses knows its communicators",
+                                  "remove the extra copy from LD_PRELOAD / LD_LIBRARY_PATH"))
+    if not lib.has_suspend or lib.version < SUSPEND_MIN_VERSION:
+        d.problems.append(Problem(
+            f"loaded NCCL {lib.version_str} cannot suspend communicators (needs >= "
+            f"{version_string(SUSPEND_MIN_VERSION)})", suspend_capable_nccl_fix()))
+
+
+def _env_facts(d: Diagnosis, amem_library: Optional[str]) -> None:
+    from .backends.amem import nccl_version_in_file, torch_built_nccl_version
+    from .nccl_library import version_string
+
+    f = d.facts
+    for name in ("NCCL_CUMEM_ENABLE", "AMEM_ENABLE", "NCCL_NVLS_ENABLE", "LD_PRELOAD"):
+        f[name] = os.environ.get(name)
+    if os.environ.get("NCCL_CUMEM_ENABLE", "").strip() == "0":
+        d.problems.append(Problem("NCCL_CUMEM_ENABLE=0: suspend would succeed and free nothing",
+                                  "unset NCCL_CUMEM_ENABLE (or set it to 1) before NCCL starts"))
+    if "amem" in (os.environ.get("LD_PRELOAD") or "").lower():
+        d.problems.append(Problem(
+            "an AMem library is in LD_PRELOAD: its constructor runs shells that inherit the "
+            "preload, an unbounded chain of processes",
+            "remove it from LD_PRELOAD; put its folder first in LD_LIBRARY_PATH instead"))
+    if os.environ.get("NCCL_NVLS_ENABLE", "") not in ("0",):
+        f["nvls_note"] = "NVLS buffers are not released by suspend (NCCL_NVLS_ENABLE=0 avoids them)"
+    if amem_library:
+        f["amem_library"] = amem_library
+        f["amem_library_exists"] = os.path.exists(amem_library)
+        version = nccl_version_in_file(amem_library)
+        f["amem_library_nccl"] = version_string(version) if version else None
+        built = torch_built_nccl_version()
+        if version and built and version[:2] < built[:2]:
+            d.problems.append(Problem(
+                f"AMem's NCCL {version_string(version)} is older than the NCCL this torch was "
+                f"built with ({version_string(built)}): torch cannot run on it",
+                "use backend='nccl' with NCCL >= 2.29.7, or a torch built against "
+                f"NCCL {version_string(version[:2])}"))
+
+
+def _pick(d: Diagnosis, amem_library: Optional[str]) -> None:
+    import logging
+
+    from .backends import select_backend
+
+    logger = logging.getLogger("amem_callbacks")
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # the doctor reports the choice itself
+    try:
+        options = {"amem": {"library_path": amem_library}} if amem_library else {}
+        backend, why, inert = select_backend("auto", options)
+    finally:
+        logger.setLevel(level)
+    d.backend = "none (training runs unchanged)" if inert else backend.name
+    d.backend_reason = why
+
+
+def render(d: Diagnosis) -> str:
+    lines = ["amem-callbacks doctor", ""]
+    width = max(len(k) for k in d.facts) if d.facts else 0
+    for key, value in d.facts.items():
+        lines.append(f"  {key.ljust(width)}  {value}")
+    lines += ["", f"backend 'auto' would use: {d.backend}", f"  because: {d.backend_reason}"]
+    if d.problems:
+        lines += ["", "problems:"]
+        for p in d.problems:
+            lines += [f"  - {p.what}", f"    fix: {p.fix}"]
+    else:
+        lines += ["", "no problems found"]
+    return "\n".join(lines)
+
+
+def main(as_json: bool = False, amem_library: Optional[str] = None) -> int:
+    import json
+
+    d = diagnose(amem_library)
+    print(json.dumps(d.as_dict(), indent=1, default=str) if as_json else render(d))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main("--json" in sys.argv))

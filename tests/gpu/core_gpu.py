@@ -1,0 +1,129 @@
+"""The core engine on real NCCL: 2 ranks, >= 4 groups, bytes freed, exact results,
+guard auto-resume, kept groups working, 50 cycles with flat memory.
+
+Command (on 2 GPUs, NCCL >= 2.29.7 loaded, e.g. LD_PRELOAD of ../shared/tools/device-nccl's output):
+    python -m torch.distributed.run --nproc-per-node 2 tests/gpu/core_gpu.py OUT.json [CYCLES]
+
+Ranks synchronise over a gloo group while NCCL groups are suspended: a collective
+on a suspended NCCL communicator is undefined behaviour (an illegal memory access).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from amem_callbacks import OffloadPolicy, name_group
+from amem_callbacks.memory import host_rss_bytes
+from amem_callbacks.nccl_library import NcclLibrary
+
+MiB = 2**20
+
+
+def exact_allreduce(group, value: float) -> bool:
+    n = dist.get_world_size(group)
+    t = torch.full((1 << 20,), value * (dist.get_rank() + 1), device="cuda")
+    dist.all_reduce(t, group=group)
+    return bool(torch.all(t == value * n * (n + 1) / 2).item())
+
+
+def free_bytes() -> int:
+    torch.cuda.synchronize()
+    return torch.cuda.mem_get_info()[0]
+
+
+def main() -> None:
+    out_path = sys.argv[1]
+    cycles = int(sys.argv[2]) if len(sys.argv) > 2 else 50
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sync = dist.new_group(backend="gloo")  # for barriers while NCCL groups sleep
+    groups = {"world": dist.group.WORLD}
+    for role in ("dp", "tp", "ep", "dp_cp", "cp"):
+        groups[role] = dist.new_group(list(range(world)))
+        name_group(groups[role], role)
+    for g in groups.values():  # create each communicator
+        assert exact_allreduce(g, 1.0)
+    lib = NcclLibrary.loaded()
+    result = {"rank": rank, "nccl": lib.version_str, "nccl_path": lib.path,
+              "torch": torch.__version__, "checks": {}}
+    checks = result["checks"]
+
+    policy = OffloadPolicy(backend="nccl", keep=["tp"], agree_timeout_s=60)
+    free0 = free_bytes()
+    begin = policy.begin("rollout")
+    free1 = free_bytes()
+    suspended = {g.name: g.suspendable_bytes for g in begin.suspended}
+    result["first_begin"] = {"suspended": suspended, "kept": {g.name: g.reason for g in begin.kept},
+                             "device_freed": free1 - free0, "report": begin.as_dict(),
+                             "per_group_s": {g.name: g.seconds for g in begin.suspended}}
+    nccl_bytes = sum(suspended.values())
+    checks["at_least_4_groups_suspended"] = len(suspended) >= 4
+    checks["freed_ge_99pct_of_suspendable"] = (free1 - free0) >= 0.99 * nccl_bytes > 0
+    stats = {name: policy.backend.memory(_handle(policy, name)).suspended for name in suspended}
+    checks["nccl_stats_say_suspended"] = all(stats.values())
+    checks["kept_group_works_during_phase"] = exact_allreduce(groups["tp"], 3.0)
+    dist.barrier(group=sync)
+    # guard: a collective on a suspended group resumes it first, on both ranks
+    checks["guard_auto_resume_exact"] = exact_allreduce(groups["ep"], 5.0)
+    checks["guard_counted"] = policy.counters.auto_resumes == 1
+    end = policy.end("rollout")
+    result["first_end"] = {"report": end.as_dict(), "device_freed": free_bytes() - free1,
+                           "per_group_s": {g.name: g.seconds for g in end.groups}}
+    checks["exact_after_end"] = all(exact_allreduce(g, 7.0) for g in groups.values())
+
+    # many cycles: memory after each end and during each phase must stay flat
+    after_end, during, rss_after, rss_during, begin_s, end_s = [], [], [], [], [], []
+    for cycle in range(cycles):
+        b = policy.begin("rollout")
+        during.append(free_bytes())
+        rss_during.append(host_rss_bytes())
+        dist.barrier(group=sync)
+        e = policy.end("rollout")
+        ok = all(exact_allreduce(g, float(cycle % 7 + 1)) for g in groups.values())
+        checks.setdefault("exact_every_cycle", True)
+        checks["exact_every_cycle"] &= ok
+        after_end.append(free_bytes())
+        rss_after.append(host_rss_bytes())
+        begin_s.append(b.wall_seconds)
+        end_s.append(e.wall_seconds)
+    warm = min(5, cycles // 2)
+    total = torch.cuda.mem_get_info()[1]
+    spread = lambda xs: (max(xs[warm:]) - min(xs[warm:])) if xs[warm:] else 0  # noqa: E731
+    result["cycles"] = {
+        "n": cycles, "device_free_after_end_spread": spread(after_end),
+        "device_free_during_spread": spread(during),
+        "host_rss_after_end_spread": spread(rss_after), "host_rss_during_spread": spread(rss_during),
+        "host_rss_after_end_first_last": [rss_after[warm], rss_after[-1]],
+        "begin_wall_s_median": sorted(begin_s)[len(begin_s) // 2],
+        "end_wall_s_median": sorted(end_s)[len(end_s) // 2],
+        "nccl_bytes_suspended": nccl_bytes,
+        "host_rss_during_minus_after": rss_during[-1] - rss_after[-1],
+    }
+    checks["device_memory_flat_1pct"] = spread(after_end) <= 0.01 * total and \
+        spread(during) <= 0.01 * total
+    checks["host_rss_flat_1pct"] = spread(rss_after) <= 0.01 * rss_after[warm]
+    result["counters"] = policy.counters.as_dict()
+    result["ok"] = all(checks.values())
+    dist.barrier(group=sync)
+    with open(out_path.replace(".json", f".rank{rank}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    dist.barrier(group=sync)
+    dist.destroy_process_group()
+    print(f"rank {rank}: {'OK' if result['ok'] else 'FAILED'} {json.dumps(checks)}", flush=True)
+    sys.exit(0 if result["ok"] else 1)
+
+
+def _handle(policy, name):
+    state = next(s for s in policy._engine.states.values() if s.info.name == name)
+    return state.info.handle
+
+
+if __name__ == "__main__":
+    main()
