@@ -52,7 +52,7 @@ def _worker(rank: int, world: int, port: int, steps: int, rollout_s: float, back
         for p in model.parameters():  # data-parallel gradient average
             dist.all_reduce(p.grad, group=groups["dp"])
             p.grad /= world
-        for g in groups.values():
+        for g in [dist.group.WORLD, *groups.values()]:
             dist.all_reduce(torch.ones(1, device=device), group=g)  # every comm exists
         optimizer.step()
         begin = policy.begin("rollout")

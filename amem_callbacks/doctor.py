@@ -78,10 +78,10 @@ def _nccl_facts(d: Diagnosis, torch) -> None:
     f["nccl_symbols"] = {name: lib.has(name) for name in (
         "ncclCommSuspend", "ncclCommResume", "ncclCommMemStats", "ncclPause", "ncclResume",
         "ncclSetGroupID")}
-    if len(paths) > 1:
-        d.problems.append(Problem(f"{len(paths)} NCCL libraries are mapped ({paths}); only the one "
-                                  "torch uses knows its communicators",
-                                  "remove the extra copy from LD_PRELOAD / LD_LIBRARY_PATH"))
+    f["nccl_in_use"] = lib.path
+    others = [p for p in paths if os.path.realpath(p) != os.path.realpath(lib.path)]
+    if others:
+        f["nccl_also_mapped_unused"] = others
     if not lib.has_suspend or lib.version < SUSPEND_MIN_VERSION:
         d.problems.append(Problem(
             f"loaded NCCL {lib.version_str} cannot suspend communicators (needs >= "

@@ -20,7 +20,7 @@ KNOWN_ROLES = (
     "world", "dp", "dp_cp", "cp", "tp", "pp", "mp", "ep", "tp_dp", "tp_dp_cp",
     "expert_tp", "expert_dp", "tp_ep", "tp_ep_pp", "intra_dp_cp", "inter_dist_opt",
     "embd", "pos_embd", "hierarchical_cp", "intra_expert_dp", "inter_expert_dp",
-    "vllm_tp", "model_parallel",
+    "vllm_tp", "model_parallel", "tp_cp", "dp_cp_ag", "hybrid_dp_cp", "intra_dist_opt",
 )
 
 # group key -> role, set by adapters or users before or after the policy exists.

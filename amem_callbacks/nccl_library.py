@@ -127,15 +127,23 @@ class NcclLibrary:
 
     @classmethod
     def loaded(cls) -> Optional["NcclLibrary"]:
-        """The NCCL already in this process, or None. Never loads a new copy."""
-        candidates = ["libnccl.so.2"] + loaded_nccl_paths()
-        for name in candidates:
+        """The NCCL torch's calls resolve to, or None. Never loads a new copy.
+
+        Two copies can be mapped (e.g. torch's wheel copy plus an LD_PRELOAD
+        one). Torch's references bind to the first definition in the global
+        scope, so that is where ``ncclGetVersion`` is looked up first.
+        """
+        address = _global_symbol_address("ncclGetVersion")
+        names = ([_path_of_address(address)] if address else []) + ["libnccl.so.2"] + \
+            loaded_nccl_paths()
+        for name in names:
+            if not name:
+                continue
             try:
                 handle = ctypes.CDLL(name, mode=os.RTLD_NOLOAD)
             except OSError:
                 continue
-            path = name if os.path.isabs(name) else (loaded_nccl_paths() or [name])[0]
-            return cls(handle, path)
+            return cls(handle, _path_of_address(_address(handle.ncclGetVersion)) or name)
         return None
 
     @classmethod
@@ -192,3 +200,34 @@ class NcclLibrary:
 
     def amem_set_group_id(self, group_id: int) -> None:
         self._check(self._fns["ncclSetGroupID"](group_id), "ncclSetGroupID")
+
+
+class _DlInfo(ctypes.Structure):
+    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+
+def _address(fn) -> int:
+    return ctypes.cast(fn, ctypes.c_void_p).value or 0
+
+
+def _global_symbol_address(name: str) -> int:
+    try:
+        return _address(getattr(ctypes.CDLL(None), name))
+    except AttributeError:
+        return 0
+
+
+def _path_of_address(address: int) -> Optional[str]:
+    """The file that defines the code at ``address`` (glibc dladdr)."""
+    if not address:
+        return None
+    try:
+        dladdr = ctypes.CDLL(None).dladdr
+    except AttributeError:
+        return None
+    dladdr.argtypes = (ctypes.c_void_p, ctypes.POINTER(_DlInfo))
+    info = _DlInfo()
+    if dladdr(address, ctypes.byref(info)) and info.dli_fname:
+        return os.path.realpath(info.dli_fname.decode())
+    return None

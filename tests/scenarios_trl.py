@@ -1,0 +1,324 @@
+"""GRPO runs on gloo ranks for the TRL adapter, run by tests.harness in fresh processes.
+
+A real ``GRPOTrainer`` on a tiny randomly initialised Qwen2 and a word-level
+tokenizer built here (no downloads). vLLM is not installed: the vLLM runs use
+trl's own ``VLLMGeneration.generate`` on a stand-in server client (server mode)
+or a stand-in ``LLM`` (colocate mode).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import types
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from amem_callbacks import OffloadPolicy
+from amem_callbacks.adapters.trl import AMemCallback
+
+VOCAB = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(45)]
+PAD, EOS = 0, 1
+COMPLETION_LEN = 4
+
+
+def init() -> None:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+
+
+def tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                   unk_token="<unk>")
+
+
+def model():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(VOCAB), hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64, pad_token_id=PAD, eos_token_id=EOS,
+                         bos_token_id=None, tie_word_embeddings=True)
+    return Qwen2ForCausalLM(config)
+
+
+def dataset():
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": [" ".join(f"w{(i * 7 + j) % 45}" for j in range(3))
+                                         for i in range(64)]})
+
+
+def reward(completions, **kwargs):
+    """Varied enough that advantages, hence losses, are not zero."""
+    return [float(len(set(c.split()))) + 0.1 * sum(len(w) for w in c.split()) for c in completions]
+
+
+def grpo_args(steps_per_generation=1, num_iterations=1, max_steps=4, **extra):
+    from trl import GRPOConfig
+
+    return GRPOConfig(output_dir=os.path.join(os.environ["AMEM_TEST_OUT"], "grpo"), use_cpu=True,
+                      per_device_train_batch_size=2, num_generations=2,
+                      steps_per_generation=steps_per_generation, num_iterations=num_iterations,
+                      max_completion_length=COMPLETION_LEN, max_steps=max_steps, logging_steps=1,
+                      report_to=[], save_strategy="no", seed=0, learning_rate=1e-2, beta=0.0,
+                      disable_tqdm=True, **extra)
+
+
+class Recorder:
+    """What happened in one run, in order, on this rank."""
+
+    def __init__(self, fake=None):
+        self.events = []
+        self.trainer = None
+        self.callback = None
+        self.fake = fake
+
+    def state(self) -> dict:
+        policy = self.callback.policy if self.callback else None
+        out = {"phase": policy.active_phase if policy else None,
+               "step": self.trainer._step if self.trainer else None}
+        if policy is not None and policy.last_report is not None:
+            out["last"] = [policy.last_report.kind, policy.last_report.pending]
+        if self.fake is not None:
+            out["suspended"] = self.fake.suspended()
+        return out
+
+    def note(self, what: str, **more) -> None:
+        self.events.append({"what": what, **self.state(), **more})
+
+
+RECORDER = Recorder()
+
+
+def _record_policy_calls() -> None:
+    """Every begin/end, with the micro-step it happened at (class-wide, once)."""
+    if getattr(OffloadPolicy, "_recorded", False):
+        return
+    for kind in ("begin", "end"):
+        original = getattr(OffloadPolicy, kind)
+
+        def recorded(self, *args, _original=original, _kind=kind, **kwargs):
+            report = _original(self, *args, **kwargs)
+            RECORDER.note(_kind, skipped=report.skipped)
+            return report
+
+        setattr(OffloadPolicy, kind, recorded)
+    OffloadPolicy._recorded = True
+
+
+def spy_model_generate(trainer) -> None:
+    original = trainer.model.generate
+
+    def generate(*args, **kwargs):
+        RECORDER.note("model.generate")
+        return original(*args, **kwargs)
+
+    trainer.model.generate = generate
+
+
+class UnevenTurns:
+    """Mixin standing in for a tool loop: rank r calls the model r + 1 extra times
+    per generation, before the regular call."""
+
+    def _generate(self, prompts):
+        prompt_ids, images, fields = self._tokenize_prompts(copy.deepcopy(prompts))
+        for _ in range(dist.get_rank() + 1):
+            self._generate_single_turn(prompt_ids, images, fields, self.num_generations)
+        return super()._generate(prompts)
+
+
+def train(callback_options=None, trainer_class=None, configure=None, fake=None, **arg_options):
+    """One GRPO run; returns its losses, metrics and what the recorder saw."""
+    from trl import GRPOTrainer
+
+    global RECORDER
+    RECORDER = Recorder(fake)
+    trainer_class = trainer_class or GRPOTrainer
+    callbacks = []
+    if callback_options is not None:
+        options = dict(callback_options)
+        if options.get("backend") == "fake":
+            options["backend"] = fake.backend()
+        RECORDER.callback = AMemCallback(**options)
+        callbacks.append(RECORDER.callback)
+    trainer = trainer_class(model=model(), reward_funcs=reward, args=grpo_args(**arg_options),
+                            train_dataset=dataset(), processing_class=tokenizer(),
+                            callbacks=callbacks)
+    RECORDER.trainer = trainer
+    if configure is not None:
+        configure(trainer)
+    spy_model_generate(trainer)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    callback = RECORDER.callback
+    out = {"loss": [h["loss"] for h in logs], "grad_norm": [h["grad_norm"] for h in logs],
+           "reward": [h["reward"] for h in logs], "events": RECORDER.events,
+           "param_sum": float(sum(p.detach().double().sum() for p in trainer.model.parameters())),
+           "amem_logs": [{k: v for k, v in h.items() if k.startswith("amem/")} for h in logs]}
+    if callback is not None:
+        policy = callback.policy
+        out.update(counters=policy.counters.as_dict(), kept=callback.kept, mode=callback.mode,
+                   metrics=callback.metrics(),
+                   begin_groups={g.name: [g.action, g.reason] for g in callback._last_begin.groups},
+                   attached=callback.trainer is trainer)
+        callback.detach()
+    return out
+
+
+def scenario_prelude(args):
+    init()
+    _record_policy_calls()
+    fake = None
+    if args.get("backend") == "fake":
+        from tests.scenarios import FakeNccl
+
+        fake = FakeNccl()
+    return fake
+
+
+def cadence(args):
+    """Baselines and callback runs for every steps_per_generation × num_iterations."""
+    fake = scenario_prelude(args)
+    options = {"backend": args.get("backend", "noop"), "agree_timeout_s": 20}
+    configs = [(s, n) for s in (1, 2) for n in (1, 2)]
+    runs = {}
+    for spg, ni in configs:  # baselines first: before any policy exists in this process
+        runs[f"{spg}x{ni}"] = {"baseline": train(steps_per_generation=spg, num_iterations=ni,
+                                                 max_steps=8)}
+    for spg, ni in configs:
+        runs[f"{spg}x{ni}"]["amem"] = train(options, fake=fake, steps_per_generation=spg,
+                                             num_iterations=ni, max_steps=8)
+    return runs
+
+
+def uneven_turns(args):
+    """Ranks call the model a different number of times per generation."""
+    from trl import GRPOTrainer
+
+    fake = scenario_prelude(args)
+    cls = type("UnevenGRPOTrainer", (UnevenTurns, GRPOTrainer), {})
+    options = {"backend": args.get("backend", "noop"), "agree_timeout_s": 20}
+    return {"baseline": train(trainer_class=cls, max_steps=3),
+            "amem": train(options, trainer_class=cls, fake=fake, max_steps=3)}
+
+
+# --- vLLM stand-ins --------------------------------------------------------------
+def _completion(seed: int, length: int) -> list:
+    return [3 + (seed * 5 + j * 3) % (len(VOCAB) - 3) for j in range(length)] + [EOS]
+
+
+class FakeServerClient:
+    """Stands in for trl's VLLMClient on rank 0 (same return shape as its generate)."""
+
+    def generate(self, prompts, features=None, n=1, **sampling):
+        RECORDER.note("server.generate")
+        prompt_ids, completions, logprobs = [], [], []
+        for p in prompts:
+            prompt_ids.append(list(p))
+            for k in range(n):
+                ids = _completion(sum(p) + k, 1 + (sum(p) + k) % COMPLETION_LEN)[:COMPLETION_LEN]
+                completions.append(ids)
+                logprobs.append([[-1.0] for _ in ids])
+        return {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": logprobs}
+
+
+def _vllm_generation(trainer, mode: str):
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    vg = VLLMGeneration.__new__(VLLMGeneration)  # skip __init__: it starts vLLM
+    vg.mode, vg.accelerator, vg.model = mode, trainer.accelerator, trainer.model
+    vg.temperature, vg.top_p, vg.top_k, vg.min_p = 1.0, 1.0, 0, None
+    vg.repetition_penalty, vg.max_completion_length = 1.0, COMPLETION_LEN
+    vg.logprobs, vg.structured_outputs_regex, vg.generation_kwargs = 0, None, {}
+    vg.sync_weights = lambda: RECORDER.note("sync_weights")
+    trainer.use_vllm, trainer.vllm_mode, trainer.vllm_generation = True, mode, vg
+    trainer.vllm_importance_sampling_correction = False
+    trainer._last_loaded_step = -1
+    return vg
+
+
+def configure_server(trainer):
+    vg = _vllm_generation(trainer, "server")
+    if dist.get_rank() == 0:
+        vg.vllm_client = FakeServerClient()
+
+
+class _Logprob:
+    def __init__(self, value):
+        self.logprob, self.rank = value, 1
+
+
+class FakeLLM:
+    """Stands in for vLLM's LLM in colocate mode (sleep mode on)."""
+
+    def __init__(self):
+        self.awake = False
+
+    def wake_up(self, tags=None):
+        RECORDER.note("llm.wake_up", tags=tags)
+        self.awake = True
+
+    def sleep(self, level=1):
+        self.awake = False
+
+    def generate(self, prompts, sampling_params=None, use_tqdm=False):
+        RECORDER.note("llm.generate")
+        outputs = []
+        for i, p in enumerate(prompts):
+            ids = _completion(sum(p["prompt_token_ids"]) + i, 1 + i % COMPLETION_LEN)
+            ids = ids[:COMPLETION_LEN]
+            out = types.SimpleNamespace(token_ids=ids,
+                                        logprobs=[{t: _Logprob(-1.0)} for t in ids])
+            outputs.append(types.SimpleNamespace(prompt_token_ids=p["prompt_token_ids"],
+                                                 outputs=[out]))
+        return outputs
+
+
+def configure_colocate(trainer):
+    import trl.generation.vllm_generation as module
+
+    vg = _vllm_generation(trainer, "colocate")
+    vg.llm, vg.enable_sleep_mode, vg._llm_weights_sleeping = FakeLLM(), True, False
+    vg.tensor_parallel_size = dist.get_world_size()
+    vg.tp_group, _ = dist.new_subgroups_by_enumeration([list(range(dist.get_world_size()))])
+    module.SamplingParams = lambda **kwargs: kwargs  # vLLM's class; not installed here
+    # vLLM builds its own groups in the trainer's processes: one stands in for them.
+    if "vllm.distributed.parallel_state" not in sys.modules:
+        state = types.ModuleType("vllm.distributed.parallel_state")
+        state._TP = types.SimpleNamespace(device_group=dist.new_group(), cpu_group=None)
+        sys.modules[state.__name__] = state
+
+
+def vllm_modes(args):
+    """Server and colocate runs, each against a baseline without the callback."""
+    fake = scenario_prelude(args)
+    options = {"backend": args.get("backend", "noop"), "agree_timeout_s": 20,
+               "overlap": args.get("overlap", False)}
+    out = {}
+    for mode, configure in (("server", configure_server), ("colocate", configure_colocate)):
+        out[mode] = {"baseline": train(configure=configure, max_steps=3)}
+    for mode, configure in (("server", configure_server), ("colocate", configure_colocate)):
+        out[mode]["amem"] = train(options, configure=configure, fake=fake, max_steps=3)
+    return out
+
+
+def options_errors(args):
+    """Bad options fail at construction, naming the choices; wrong trainers at attach."""
+    out = {}
+    for bad in ({"backend": "cuda"}, {"guard": "loose"}, {"keep": "tp"}, {"keep": ["nope"]},
+                {"min_bites": 1}, {"log_metrics": "yes"}):
+        try:
+            AMemCallback(**bad)
+            out[str(bad)] = None
+        except ValueError as exc:
+            out[str(bad)] = str(exc)
+    return out

@@ -1,0 +1,77 @@
+"""Store agreement with threads standing in for ranks: consistent and bounded."""
+
+import threading
+import time
+
+import torch.distributed as dist
+
+from amem_callbacks.agreement import Agreement, is_yes, vote_no, vote_yes
+
+
+def run(votes: dict, members=(0, 1, 2), timeout=1.0, delays=None, key="g"):
+    store = dist.HashStore()
+    results, took = {}, {}
+
+    def rank(r):
+        time.sleep((delays or {}).get(r, 0))
+        start = time.monotonic()
+        agreement = Agreement(store, r, timeout)
+        results[r] = agreement.decide({key: (members, votes[r])})[key]
+        took[r] = time.monotonic() - start
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in votes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads), "agreement must never block past its bound"
+    return results, took
+
+
+def test_all_yes_suspends_everywhere():
+    results, _ = run({r: vote_yes("nccl") for r in range(3)})
+    assert all(is_yes(v) for v in results.values()) and len(set(results.values())) == 1
+
+
+def test_one_refusal_keeps_the_group_on_every_member_and_says_why():
+    results, _ = run({0: vote_yes("nccl"), 1: vote_no("kept for phase"), 2: vote_yes("nccl")})
+    assert len(set(results.values())) == 1
+    assert not is_yes(results[0]) and "rank 1: kept for phase" in results[0]
+
+
+def test_different_backends_keep_the_group():
+    results, _ = run({0: vote_yes("nccl"), 1: vote_yes("amem"), 2: vote_yes("nccl")})
+    assert "different backends" in results[2]
+
+
+def test_missing_member_is_detected_within_the_bound():
+    results, took = run({0: vote_yes("nccl"), 1: vote_yes("nccl")}, timeout=0.5)
+    assert "rank(s) [2] did not reach" in results[0] and results[0] == results[1]
+    assert max(took.values()) < 2 * 0.5 + 0.5
+
+
+def test_late_leader_and_early_members_still_agree():
+    results, took = run({r: vote_yes("nccl") for r in range(3)}, timeout=0.3, delays={0: 1.0})
+    assert len(set(results.values())) == 1 and not is_yes(results[1])
+    assert "leader rank 0 did not decide" in results[1]
+
+
+def test_rounds_are_independent_and_old_keys_are_dropped():
+    store = dist.HashStore()
+    agreements = [Agreement(store, r, 1.0) for r in (0, 1)]
+    for round_no in range(4):
+        out = {}
+        threads = [threading.Thread(target=lambda a=a: out.__setitem__(
+            a.rank, a.decide({"g": ((0, 1), vote_yes("nccl") if round_no % 2 else vote_no("x"))})))
+            for a in agreements]
+        [t.start() for t in threads]
+        [t.join(10) for t in threads]
+        assert is_yes(out[0]["g"]) == bool(round_no % 2) and out[0] == out[1]
+    assert not store.check(["amem_callbacks/plan/g/0/decision"])
+    assert store.check(["amem_callbacks/plan/g/3/decision"])
+
+
+def test_exchange_reports_missing_ranks_as_none():
+    store = dist.HashStore()
+    got = Agreement(store, 0, 0.2).exchange({"g": ((0, 1), "ok")})
+    assert got == {"g": {0: "ok", 1: None}}
