@@ -85,9 +85,8 @@ def make_groups(world: int) -> dict:
 def allreduce_ok(group, value: float = 1.0) -> bool:
     t = torch.full((16,), float(rank() + 1) * value)
     dist.all_reduce(t, group=group)
-    n = dist.get_world_size(group)
-    expected = value * n * (n + 1) / 2 if n == dist.get_world_size() else None
-    return expected is None or bool(torch.all(t == expected))
+    expected = value * sum(r + 1 for r in dist.get_process_group_ranks(group))
+    return bool(torch.all(t == expected))
 
 
 def summarize(report) -> dict:
@@ -377,6 +376,22 @@ def lifecycle(args):
     out["auto_resumes"] = policy.counters.auto_resumes
     out["after_guard"] = fake.suspended()
     return out
+
+
+@scenario
+def device_mesh(args):
+    """DeviceMesh groups are found and named by their dimension."""
+    init()
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("dp", "tp"))
+    fake = FakeNccl()
+    policy = OffloadPolicy(backend=fake.backend(), keep=["tp"], agree_timeout_s=20)
+    begin = policy.begin("rollout")
+    tp_ok = allreduce_ok(mesh.get_group("tp"))
+    policy.end("rollout")
+    return {"begin": summarize(begin), "tp_ok": tp_ok,
+            "dp_ranks": dist.get_process_group_ranks(mesh.get_group("dp"))}
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ or a stand-in ``LLM`` (colocate mode).
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import sys
 import types
@@ -174,9 +175,21 @@ def train(callback_options=None, trainer_class=None, configure=None, fake=None, 
     return out
 
 
+class _Seams(logging.Handler):
+    """Where the adapter said each transition happened (its debug lines)."""
+
+    def emit(self, record):
+        message = record.getMessage()
+        if "amem_callbacks: generation" in message:
+            RECORDER.note("seam", line=message.split(": ", 1)[1])
+
+
 def scenario_prelude(args):
     init()
     _record_policy_calls()
+    amem_logger = logging.getLogger("amem_callbacks")
+    amem_logger.setLevel(logging.DEBUG)
+    amem_logger.addHandler(_Seams(logging.DEBUG))
     fake = None
     if args.get("backend") == "fake":
         from tests.scenarios import FakeNccl

@@ -153,3 +153,10 @@ def test_lifecycle_corner_cases():
         # the body raised: groups stay suspended, the phase is over, the guard resumes on use
         assert res["after_exception_phase"] is None and all(res["after_exception"].values())
         assert res["exact"] and res["auto_resumes"] == 4 and not any(res["after_guard"].values())
+
+
+def test_device_mesh_groups_are_named_by_dimension_and_kept_by_it():
+    for res in results("device_mesh", world=4):
+        groups = res["begin"]["groups"]
+        assert groups["mesh_tp"][0] == "kept" and groups["mesh_dp"][0] == "suspended"
+        assert groups["world"][0] == "suspended" and res["tp_ok"]
