@@ -1,4 +1,4 @@
-"""The ``amem-callbacks`` command: doctor, demo (and bench)."""
+"""The ``amem-callbacks`` command: doctor, demo, bench."""
 
 from __future__ import annotations
 
@@ -21,7 +21,44 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--rollout-s", type=float, default=0.5)
     demo.add_argument("--backend", choices=("auto", "nccl", "amem", "noop"), default=None,
                       help="default: auto on GPUs, noop on CPU")
+    bench = sub.add_parser("bench", help="measure suspend/resume cost in a synthetic RL loop "
+                                         "on all local GPUs (or under torchrun)")
+    bench.add_argument("--groups", type=_positive_int, default=8,
+                       help="process groups to suspend (Megatron-like roles), default 8")
+    bench.add_argument("--steps", type=_positive_int, default=4, help="steps per mode")
+    bench.add_argument("--rollout-s", type=float, default=2.0)
+    bench.add_argument("--train-s", type=float, default=0.5)
+    bench.add_argument("--grad-mib", type=_positive_int, default=64)
+    bench.add_argument("--modes", type=_modes, default=("none", "naive", "overlap", "recreate"))
+    bench.add_argument("--workers", type=_positive_int, default=None,
+                       help="threads per transition in overlap mode (default: best of --sweep)")
+    bench.add_argument("--sweep", type=_int_list, default=[1, 2, 4, 8],
+                       help="worker counts to time a whole transition with, e.g. 1,4,8")
+    bench.add_argument("--guard-calls", type=_positive_int, default=3000)
+    bench.add_argument("--backend", choices=("nccl", "amem", "noop"), default=None)
+    bench.add_argument("--out", default="bench-results")
     return parser
+
+
+def _modes(text: str) -> tuple:
+    from .bench import MODES
+
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or "none" not in modes:
+        raise argparse.ArgumentTypeError(
+            f"modes are a comma list of {', '.join(MODES)} and must include 'none' (the baseline)")
+    return modes
+
+
+def _int_list(text: str) -> list:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a comma list of integers, e.g. 1,4,8; got {text!r}")
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError("worker counts must be >= 1")
+    return values
 
 
 def _positive_int(text: str) -> int:
@@ -41,6 +78,10 @@ def main(argv=None) -> int:
         from .demo import main as demo_main
 
         return demo_main(steps=args.steps, rollout_s=args.rollout_s, backend=args.backend)
+    if args.command == "bench":
+        from .bench import main as bench_main
+
+        return bench_main(args)
     return 2
 
 

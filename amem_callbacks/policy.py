@@ -35,6 +35,8 @@ class OffloadPolicy:
             "strict" (such a call raises), or "off".
         overlap: ``begin``/``end`` return at once and the transition runs in
             the background; a call on a group waits for it (via the guard).
+        workers: threads that suspend/resume the groups of one transition
+            concurrently (each communicator has its own barrier).
         timeout_s: longest wait for one suspend/resume; default: the group's
             c10d timeout.
         agree_timeout_s: how long members wait for each other to agree on a
@@ -54,7 +56,7 @@ class OffloadPolicy:
     def __init__(self, backend: Union[str, object] = "auto",
                  keep: Union[Iterable[str], Mapping[str, Iterable[str]]] = (), *,
                  min_bytes: int = DEFAULT_MIN_BYTES, guard: str = "resume",
-                 overlap: bool = False, timeout_s: Optional[float] = None,
+                 overlap: bool = False, workers: int = 1, timeout_s: Optional[float] = None,
                  agree_timeout_s: float = 120.0, host_memory_cap_bytes: Optional[int] = None,
                  groups: Optional[Iterable] = None, backend_options: Optional[dict] = None):
         if isinstance(backend, str):
@@ -65,6 +67,7 @@ class OffloadPolicy:
         if guard not in GUARD_MODES:
             raise ValueError(f"unknown guard mode {guard!r}: write one of {GUARD_MODES}")
         _check_number("min_bytes", min_bytes, minimum=0, integer=True)
+        _check_number("workers", workers, minimum=1, integer=True)
         _check_number("agree_timeout_s", agree_timeout_s, minimum=0, exclusive=True)
         if timeout_s is not None:
             _check_number("timeout_s", timeout_s, minimum=0, exclusive=True)
@@ -85,6 +88,7 @@ class OffloadPolicy:
         self.min_bytes = min_bytes
         self.guard_mode = guard
         self.overlap = overlap
+        self.workers = workers
         self.timeout_s = timeout_s
         self.agree_timeout_s = agree_timeout_s
         self.host_memory_cap_bytes = host_memory_cap_bytes
@@ -246,8 +250,8 @@ class OffloadPolicy:
             return
         self.backend_description = description
         self._engine = Transitions(backend, agreement, current_device(), self.timeout_s,
-                                   self.counters)
-        self._engine.strict = self.guard_mode == "strict"
+                                   self.counters, workers=self.workers,
+                                   strict=self.guard_mode == "strict")
         if self.guard_mode != "off":
             guard.install()
 

@@ -1,21 +1,25 @@
 """The suspend and resume batches of one policy, and what the guard asks of them.
 
-Every NCCL call runs on one serial worker thread in the order it was submitted.
-Submissions happen in the same program order on every rank (group keys sorted,
-batches in begin/end order, guard resumes where the program calls the group),
-so the collective calls of all ranks line up without any extra coordination.
+A batch (one ``begin``, one ``end`` or one guard resume) runs on a serial
+worker thread, batches in the order they were submitted. Submissions happen in
+the same program order on every rank, so the NCCL calls of all ranks line up.
+Inside a batch, ``workers`` threads take groups in key order (the same on every
+rank). That cannot deadlock: the lowest-key group not yet past NCCL's barrier is
+always held by a thread on each of its ranks, because everything before it
+only has local work left.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 from . import guard
 from .agreement import Agreement, is_yes, reason_of, vote_no, vote_yes
-from .errors import SuspendedGroupError
+from .errors import SuspendedGroupError, TransitionTimeout
 from .executor import SerialExecutor, Task
 from .groups import GroupInfo
 from .memory import device_free_bytes, host_rss_bytes
@@ -28,21 +32,41 @@ logger = logging.getLogger("amem_callbacks")
 ACTIVE = "active"
 SUSPENDING = "suspending"
 SUSPENDED_STATE = "suspended"
-RESUMING = "resuming"
 BROKEN = "broken"
 
 PROCESS_KEY = "__process__"
 
 
+def _done_event() -> threading.Event:
+    event = threading.Event()
+    event.set()
+    return event
+
+
 @dataclass
 class GroupState:
+    """A group this policy has suspended or is suspending.
+
+    ``status`` is written by the worker only; ``resume_queued`` by the caller
+    (``end`` or the guard); ``pending`` is set when the latest queued operation
+    on the group has finished.
+    """
+
     info: GroupInfo
-    status: str
-    report: GroupReport
     timeout_s: float
-    task: Optional[Task] = None
+    status: str = SUSPENDING
+    resume_queued: bool = False
+    pending: threading.Event = field(default_factory=threading.Event)
+    error: Optional[str] = None
+    suspendable: Optional[int] = None
     #: every process group whose calls depend on this state (several for AMem)
     covers: tuple = ()
+
+    def wait(self, what: str) -> None:
+        if not self.pending.wait(self.timeout_s):
+            raise TransitionTimeout(
+                f"{what} on group {self.info.name!r} did not finish within {self.timeout_s:g} s: "
+                "a peer rank is probably missing, dead or in a different phase. Stop the job.")
 
 
 def group_timeout_s(group, default_s: float) -> float:
@@ -58,22 +82,26 @@ def group_timeout_s(group, default_s: float) -> float:
 
 class Transitions:
     def __init__(self, backend, agreement: Agreement, device: Optional[int],
-                 timeout_s: Optional[float], counters: Counters):
+                 timeout_s: Optional[float], counters: Counters, workers: int = 1,
+                 strict: bool = False):
         self.backend = backend
         self.agreement = agreement
         self.device = device
         self.timeout_s = timeout_s
         self.counters = counters
+        self.workers = workers
+        self.strict = strict  # guard='strict': raise instead of resuming
         self.executor = SerialExecutor()
         self.states: dict = {}  # key -> GroupState, for groups not known to be active
         self.auto_resumed: list = []  # GroupReports of guard resumes since the last end()
         self._warned_auto: set = set()
-        self.strict = False  # guard='strict': raise instead of resuming
 
     # --- begin -----------------------------------------------------------
     def begin(self, report: TransitionReport, groups, plan) -> Task:
-        """Collective: agree, then submit the suspends and the closing step."""
-        world = tuple(range(self.agreement_world()))
+        """Collective: agree on the plan, then queue the suspend batch."""
+        import torch.distributed as dist
+
+        world = tuple(range(dist.get_world_size()))
         proposals = {g.key: (g.ranks, vote_yes(self.backend.name) if d.action == SUSPEND
                              else vote_no(d.reason)) for g, d in zip(groups, plan)}
         if self.backend.process_wide:
@@ -92,19 +120,10 @@ class Transitions:
             else:
                 reason = d.reason if d.action != SUSPEND else reason_of(value)
                 report.groups.append(_group_report(g, KEPT, reason))
-
-        states = self._new_states(chosen, groups, world)
-        measure = self.executor.submit(lambda: self._measure(report, "before"), "measure")
-        for state in states:
-            state.task = self.executor.submit(lambda s=state: self._suspend(s),
-                                              f"suspend of group {state.info.name!r}")
-        return self.executor.submit(lambda: self._close_begin(report, states, measure),
-                                    "closing the begin transition")
-
-    def agreement_world(self) -> int:
-        import torch.distributed as dist
-
-        return dist.get_world_size()
+        work = [(s, _group_report(s.info, SUSPENDED, suspendable=s.suspendable))
+                for s in self._new_states(chosen, groups, world)]
+        return self.executor.submit(lambda: self._batch(report, work, self._suspend,
+                                                        self._close_begin), "begin transition")
 
     def _new_states(self, chosen, groups, world) -> list:
         if not chosen:
@@ -113,16 +132,13 @@ class Transitions:
             world_group = next(g for g in groups if len(g.ranks) == len(world))
             info = GroupInfo(group=world_group.group, key=PROCESS_KEY, name="process",
                              ranks=world, handle=None)
-            covers = tuple(g.group for g in chosen)
-            chosen_infos = [(info, covers)]
+            members = [(info, tuple(g.group for g in chosen),
+                        sum(g.memory.suspendable for g in chosen if g.memory))]
         else:
-            chosen_infos = [(g, (g.group,)) for g in chosen]
+            members = [(g, (g.group,), g.memory.suspendable if g.memory else None) for g in chosen]
         states = []
-        for info, covers in chosen_infos:
-            rep = _group_report(info, SUSPENDED)
-            if info.key == PROCESS_KEY:
-                rep.suspendable_bytes = sum((g.memory.suspendable if g.memory else 0) for g in chosen)
-            state = GroupState(info=info, status=SUSPENDING, report=rep, covers=covers,
+        for info, covers, suspendable in members:
+            state = GroupState(info=info, covers=covers, suspendable=suspendable,
                                timeout_s=self.timeout_s or group_timeout_s(info.group, 1800.0))
             self.states[info.key] = state
             for group in covers:
@@ -130,85 +146,91 @@ class Transitions:
             states.append(state)
         return states
 
+    # --- running a batch -------------------------------------------------
+    def _batch(self, report: TransitionReport, work, op: Callable, close: Callable):
+        self._measure(report, "before")
+        if self.workers <= 1 or len(work) <= 1:
+            for state, rep in work:
+                self._run_op(op, state, rep)
+        else:
+            self._run_pool(op, work)
+        close(report, work)
+        report.groups.sort(key=lambda g: g.key)
+        self._measure(report, "after")
+        return self._finish(report)
+
+    def _run_op(self, op: Callable, state: GroupState, rep: GroupReport) -> None:
+        start = time.monotonic()
+        try:
+            op(state, rep)
+        finally:
+            rep.seconds = time.monotonic() - start
+            state.pending.set()
+
+    def _run_pool(self, op: Callable, work) -> None:
+        queue = iter(work)
+        lock = threading.Lock()
+
+        def take_in_key_order():
+            while True:
+                with lock:
+                    item = next(queue, None)
+                if item is None:
+                    return
+                self._run_op(op, *item)
+
+        threads = [threading.Thread(target=take_in_key_order, name=f"amem-transition-{i}",
+                                    daemon=True) for i in range(min(self.workers, len(work)))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
     def _measure(self, report: TransitionReport, when: str) -> None:
         setattr(report, f"device_free_{when}", device_free_bytes(self.device))
         setattr(report, f"host_rss_{when}", host_rss_bytes())
 
-    def _suspend(self, state: GroupState) -> None:
-        start = time.monotonic()
+    def _finish(self, report: TransitionReport) -> TransitionReport:
+        moved = [g for g in report.groups if g.action in (SUSPENDED, RESUMED, WOULD_SUSPEND,
+                                                          WOULD_RESUME, FAILED)]
+        report.total_seconds = report.agree_seconds + sum(g.seconds for g in moved)
+        report.wall_seconds = time.monotonic() - report.started
+        self.counters.transition_seconds += report.total_seconds
+        if report.kind == "begin" and report.device_freed_bytes is not None:
+            self.counters.last_device_freed_bytes = report.device_freed_bytes
+            self.counters.max_device_freed_bytes = max(self.counters.max_device_freed_bytes,
+                                                       report.device_freed_bytes)
+        report.pending = False
+        logger.info("amem_callbacks: %s", report.summary())
+        return report
+
+    # --- the operations --------------------------------------------------
+    def _suspend(self, state: GroupState, rep: GroupReport) -> None:
         try:
             self.backend.suspend(state.info.handle)
             state.status = SUSPENDED_STATE
-            state.report.action = WOULD_SUSPEND if self.backend.dry_run else SUSPENDED
+            rep.action = WOULD_SUSPEND if self.backend.dry_run else SUSPENDED
             self.counters.group_suspends += 1
         except Exception as exc:
-            state.report.action = FAILED
-            state.report.error = str(exc)
+            rep.action, rep.error = FAILED, str(exc)
             self.counters.failures += 1
-            self._settle_after_failed_suspend(state)
             logger.error("amem_callbacks: suspending group %r failed, it stays active: %s",
                          state.info.name, exc)
-        state.report.seconds = time.monotonic() - start
+            memory = self._memory(state)
+            if memory is not None and memory.suspended:  # half-suspended: undo
+                self._resume_or_break(state, rep)
+            else:
+                self._mark_active(state)
 
-    def _settle_after_failed_suspend(self, state: GroupState) -> None:
-        memory = self._memory(state)
-        if memory is not None and memory.suspended:
-            try:
-                self.backend.resume(state.info.handle)
-            except Exception as exc:
-                self._mark_broken(state, f"half-suspended and resume failed: {exc}")
-                return
-        self._mark_active(state)
-
-    def _close_begin(self, report: TransitionReport, states, measure: Task) -> TransitionReport:
-        outcomes = self.agreement.exchange(
-            {s.info.key: (s.info.ranks, "ok" if s.status == SUSPENDED_STATE else "failed")
-             for s in states})
-        for state in states:
-            peers = outcomes.get(state.info.key, {})
-            failed = [r for r, v in peers.items() if v == "failed"]
-            missing = [r for r, v in peers.items() if v is None]
-            if failed and state.status == SUSPENDED_STATE:
-                # Ranks must agree on the state: undo ours so the group is active everywhere.
-                self._resume_inline(state)
-                state.report.action = FAILED
-                state.report.reason = f"rank(s) {failed} failed to suspend it; resumed here too"
-            elif missing:
-                logger.warning("amem_callbacks: rank(s) %s did not report on group %r within "
-                               "%g s", missing, state.info.name, self.agreement.timeout_s)
-            report.groups.append(state.report)
-        report.groups.sort(key=lambda g: g.key)
-        self._measure(report, "after")
-        return self._finish(report, measure)
-
-    # --- end -------------------------------------------------------------
-    def end(self, report: TransitionReport) -> Task:
-        """Collective: submit a resume for every group this policy holds suspended."""
-        report.groups.extend(self.auto_resumed)
-        self.auto_resumed = []
-        states = [s for _k, s in sorted(self.states.items()) if s.status in (SUSPENDING, SUSPENDED_STATE)]
-        measure = self.executor.submit(lambda: self._measure(report, "before"), "measure")
-        for state in states:
-            state.report = _group_report(state.info, RESUMED, suspendable=state.report.suspendable_bytes)
-            state.task = self.executor.submit(lambda s=state: self._resume(s),
-                                              f"resume of group {state.info.name!r}")
-        return self.executor.submit(lambda: self._close_end(report, states, measure),
-                                    "closing the end transition")
-
-    def _resume(self, state: GroupState) -> None:
+    def _resume(self, state: GroupState, rep: GroupReport) -> None:
         if state.status == BROKEN:
-            state.report.action = FAILED
-            return
-        if state.status != SUSPENDED_STATE:  # its suspend failed and was undone
-            state.report.action = KEPT
-            state.report.reason = "its suspend had failed"
-            return
-        state.status = RESUMING
-        start = time.monotonic()
-        self._resume_inline(state)
-        state.report.seconds = time.monotonic() - start
+            rep.action, rep.error = FAILED, state.error
+        elif state.status != SUSPENDED_STATE:  # its suspend failed and was undone
+            rep.action, rep.reason = KEPT, "its suspend had failed"
+        else:
+            self._resume_or_break(state, rep)
 
-    def _resume_inline(self, state: GroupState) -> None:
+    def _resume_or_break(self, state: GroupState, rep: GroupReport) -> None:
         try:
             self.backend.resume(state.info.handle)
         except Exception as first:
@@ -221,49 +243,63 @@ class Transitions:
                     self.backend.resume(state.info.handle)
                 except Exception as second:
                     self.counters.failures += 1
-                    state.report.action = FAILED
-                    state.report.error = str(second)
-                    self._mark_broken(state, f"resume failed twice: {first}; {second}")
+                    rep.action = FAILED
+                    self._mark_broken(state, rep, f"resume failed twice: {first}; {second}")
                     return
         self.counters.group_resumes += 1
-        if self.backend.dry_run and state.report.action == RESUMED:
-            state.report.action = WOULD_RESUME
+        if self.backend.dry_run and rep.action == RESUMED:
+            rep.action = WOULD_RESUME
         self._mark_active(state)
 
-    def _close_end(self, report: TransitionReport, states, measure: Task) -> TransitionReport:
+    def _close_begin(self, report: TransitionReport, work) -> None:
         outcomes = self.agreement.exchange(
-            {s.info.key: (s.info.ranks, "failed" if s.status == BROKEN else "ok") for s in states})
-        for state in states:
+            {s.info.key: (s.info.ranks, "ok" if s.status == SUSPENDED_STATE else "failed")
+             for s, _rep in work})
+        for state, rep in work:
+            peers = outcomes.get(state.info.key, {})
+            failed = [r for r, v in peers.items() if v == "failed"]
+            missing = [r for r, v in peers.items() if v is None]
+            if failed and state.status == SUSPENDED_STATE:
+                # Ranks must agree on the state: undo ours so the group is active everywhere.
+                self._resume_or_break(state, rep)
+                rep.action = FAILED
+                rep.reason = f"rank(s) {failed} failed to suspend it; resumed here too"
+            elif missing:
+                logger.warning("amem_callbacks: rank(s) %s did not report on group %r within "
+                               "%g s", missing, state.info.name, self.agreement.timeout_s)
+            report.groups.append(rep)
+
+    # --- end -------------------------------------------------------------
+    def end(self, report: TransitionReport) -> Task:
+        """Collective: queue a resume for every group this policy holds suspended."""
+        report.groups.extend(self.auto_resumed)
+        self.auto_resumed = []
+        work = [(s, _group_report(s.info, RESUMED, suspendable=s.suspendable))
+                for _k, s in sorted(self.states.items())
+                if not s.resume_queued and s.status in (SUSPENDING, SUSPENDED_STATE)]
+        for state, _rep in work:
+            state.resume_queued = True
+            state.pending = threading.Event()
+        return self.executor.submit(lambda: self._batch(report, work, self._resume,
+                                                        self._close_end), "end transition")
+
+    def _close_end(self, report: TransitionReport, work) -> None:
+        outcomes = self.agreement.exchange(
+            {s.info.key: (s.info.ranks, "failed" if s.status == BROKEN else "ok")
+             for s, _rep in work})
+        for state, rep in work:
             peers = outcomes.get(state.info.key, {})
             failed = [r for r, v in peers.items() if v == "failed"]
             missing = [r for r, v in peers.items() if v is None]
             if failed and state.status != BROKEN:
                 # Unusable on a peer: a call here would wait for it forever, so raise instead.
                 self._watch_again(state)
-                state.report.action = FAILED
-                self._mark_broken(state, f"rank(s) {failed} could not resume it")
+                rep.action = FAILED
+                self._mark_broken(state, rep, f"rank(s) {failed} could not resume it")
             elif missing:
                 logger.warning("amem_callbacks: rank(s) %s did not report resuming group %r "
                                "within %g s", missing, state.info.name, self.agreement.timeout_s)
-            report.groups.append(state.report)
-        report.groups.sort(key=lambda g: g.key)
-        self._measure(report, "after")
-        return self._finish(report, measure)
-
-    def _finish(self, report: TransitionReport, measure: Task) -> TransitionReport:
-        measure.wait(0)
-        moved = [g for g in report.groups if g.action in (SUSPENDED, RESUMED, WOULD_SUSPEND,
-                                                          WOULD_RESUME, FAILED)]
-        report.total_seconds = report.agree_seconds + sum(g.seconds for g in moved)
-        self.counters.transition_seconds += report.total_seconds
-        if report.kind == "begin" and report.device_freed_bytes is not None:
-            self.counters.last_device_freed_bytes = report.device_freed_bytes
-            self.counters.max_device_freed_bytes = max(self.counters.max_device_freed_bytes,
-                                                       report.device_freed_bytes)
-        report.pending = False
-        report.wall_seconds = time.monotonic() - report.started
-        logger.info("amem_callbacks: %s", report.summary())
-        return report
+            report.groups.append(rep)
 
     # --- state helpers ---------------------------------------------------
     def _memory(self, state: GroupState):
@@ -285,14 +321,14 @@ class Transitions:
         for group in state.covers:
             guard.watch(group, self)
 
-    def _mark_broken(self, state: GroupState, why: str) -> None:
+    def _mark_broken(self, state: GroupState, rep: GroupReport, why: str) -> None:
         state.status = BROKEN
-        state.report.error = why
+        state.error = rep.error = why
         logger.error("amem_callbacks: group %r is in an unknown state (%s); calls on it will "
                      "raise. Restart the job.", state.info.name, why)
 
     def wait_idle(self, timeout_s: float) -> None:
-        """Block until every submitted transition has run (raises on timeout)."""
+        """Block until every queued batch has run (raises on timeout)."""
         self.executor.submit(lambda: None, "waiting for pending transitions").wait(timeout_s)
 
     # --- what the guard asks ---------------------------------------------
@@ -305,8 +341,8 @@ class Transitions:
     def _forget(self, group) -> None:
         """The group is being destroyed: never resume it later."""
         state = self._state_of(group)
-        if state is not None and state.task is not None:
-            state.task.wait(state.timeout_s)
+        if state is not None:
+            state.wait("a pending transition")
         guard.unwatch(group)
         if state is not None:
             state.covers = tuple(g for g in state.covers if g is not group)
@@ -318,14 +354,15 @@ class Transitions:
         state = self._state_of(group)
         if state is None:
             return
-        if state.status == RESUMING and state.task is not None:
-            state.task.wait(state.timeout_s)  # end() already resumes it: just wait
-            if state.status == ACTIVE:
-                return
         name = state.info.name
+        if state.resume_queued:  # end() or another call already resumes it: just wait
+            state.wait(f"{call} waiting for the resume")
+            if state.status == BROKEN:
+                raise SuspendedGroupError(f"{call}: resuming group {name!r} failed: {state.error}")
+            return
         if state.status == BROKEN:
             raise SuspendedGroupError(f"{call} on group {name!r}, whose suspend/resume failed: "
-                                      f"{state.report.error}. Restart the job.")
+                                      f"{state.error}. Restart the job.")
         if self.strict:
             raise SuspendedGroupError(
                 f"{call} on group {name!r} while it is suspended (guard='strict'). Fix: add "
@@ -341,25 +378,25 @@ class Transitions:
                 f"{call} on a subgroup while backend {self.backend.name!r} has paused the whole "
                 "process: only a call on the default group can resume it safely. Fix: call "
                 "end() first, or use backend='nccl' and keep this group.")
-        if state.task is not None and not state.task.done():
-            state.task.wait(state.timeout_s)
+        state.wait(f"{call} waiting for the suspend")
         if state.status != SUSPENDED_STATE:
             return
-        state.report = _group_report(state.info, RESUMED, "resumed by the guard: "
-                                     f"{call} was called on it",
-                                     suspendable=state.report.suspendable_bytes)
-        state.task = self.executor.submit(lambda: self._resume(state), f"resume of {name!r}")
-        state.task.wait(state.timeout_s)
+        rep = _group_report(state.info, RESUMED, f"resumed by the guard: {call} was called on it",
+                            suspendable=state.suspendable)
+        state.resume_queued = True
+        state.pending = threading.Event()
+        task = self.executor.submit(lambda: self._run_op(self._resume, state, rep),
+                                    f"resume of {name!r}")
+        task.wait(state.timeout_s)
         self.counters.auto_resumes += 1
-        self.auto_resumed.append(state.report)
+        self.auto_resumed.append(rep)
         if name not in self._warned_auto:
             self._warned_auto.add(name)
             logger.warning("amem_callbacks: %s on suspended group %r: resumed it first "
                            "(%.3f s). Keep it active in this phase to avoid the cost.",
-                           call, name, state.report.seconds)
+                           call, name, rep.seconds)
         if state.status == BROKEN:
-            raise SuspendedGroupError(f"{call}: resuming group {name!r} failed: "
-                                      f"{state.report.error}")
+            raise SuspendedGroupError(f"{call}: resuming group {name!r} failed: {state.error}")
 
 
 def _ranks(group) -> list:

@@ -1,0 +1,346 @@
+"""``amem-callbacks bench``: what offloading costs a synthetic RL loop, in one run.
+
+Each step is a rollout (compute only, for ``rollout_s``; the kept "tp" group
+still runs a collective) followed by a training phase (compute for ``train_s``,
+then a gradient all-reduce on "dp" and a small all-reduce on every other
+group). Modes, in one run on the same groups:
+
+    none      no offload (the baseline)
+    naive     suspend and resume on the critical path, one group after another
+    overlap   this project: begin/end return at once; the transitions run on a
+              worker while rollout computes, and training collectives wait for
+              their own group only (the guard)
+    recreate  destroy the groups for rollout and create them again (slime's way)
+
+Figures, all ratios of this run's own measurements:
+    P1  device bytes freed / NCCL's suspendable bytes
+    P2  extra step time with overlap / with naive
+    P2b begin -> memory actually free, overlap / naive
+    P3  small-collective loop with the guard installed / without
+    P4  all-reduce bus bandwidth after the cycles / before
+    recreate_over_overlap  extra step time of recreate / of overlap
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+
+ROLES = ("world", "dp", "dp_cp", "cp", "expert_dp", "intra_dp_cp", "embd", "pos_embd",
+         "inter_dist_opt", "tp_dp", "ep", "pp")
+MODES = ("none", "naive", "overlap", "recreate")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Progress:
+    """A one-line progress bar on stderr (rank 0 only)."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.done, self.enabled = total, 0, enabled
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        if self.enabled:
+            filled = int(30 * self.done / self.total)
+            sys.stderr.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} "
+                             f"{label:<28}")
+            sys.stderr.flush()
+            if self.done == self.total:
+                sys.stderr.write("\n")
+
+
+class MemorySampler:
+    """Device free memory every few ms, labelled with the phase the loop is in."""
+
+    def __init__(self, device, interval_s: float = 0.01):
+        self.device, self.interval_s = device, interval_s
+        self.phase = "setup"
+        self.samples = []
+        self._stop = threading.Event()
+        self._start = time.monotonic()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def start(self):
+        if self.device is not None:
+            self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        import torch
+
+        torch.cuda.set_device(self.device)
+        while not self._stop.is_set():
+            free = torch.cuda.mem_get_info(self.device)[0]
+            self.samples.append((time.monotonic() - self._start, free, self.phase))
+            time.sleep(self.interval_s)
+
+    def stop(self) -> list:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        return self.samples
+
+
+class Loop:
+    """The synthetic RL loop on one rank."""
+
+    def __init__(self, args, rank: int, world: int, use_cuda: bool):
+        import torch
+        import torch.distributed as dist
+
+        from amem_callbacks import name_group
+
+        self.torch, self.dist, self.args = torch, dist, args
+        self.rank, self.world, self.use_cuda = rank, world, use_cuda
+        self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda \
+            else torch.device("cpu")
+        self.sync = dist.new_group(backend="gloo")  # barriers while NCCL groups sleep
+        self.names = list(ROLES[:args.groups])
+        self.groups = {}
+        self._make_groups()
+        self.tp = dist.new_group(list(range(world)))
+        name_group(self.tp, "tp")
+        self.grad = torch.ones(args.grad_mib * 2**18, device=self.device)
+        self.small = torch.ones(1, device=self.device)
+        self.a = torch.randn(2048 if use_cuda else 128, 2048 if use_cuda else 128,
+                             device=self.device)
+        for group in self.all_groups():
+            dist.all_reduce(self.small, group=group)
+        self.synchronize()
+
+    def _make_groups(self) -> None:
+        from amem_callbacks import name_group
+
+        for name in self.names:
+            group = self.dist.group.WORLD if name == "world" else \
+                self.dist.new_group(list(range(self.world)))
+            if name != "world":
+                name_group(group, name)
+            self.groups[name] = group
+
+    def all_groups(self) -> list:
+        return list(self.groups.values()) + [self.tp]
+
+    def synchronize(self) -> None:
+        if self.use_cuda:
+            self.torch.cuda.synchronize()
+
+    def compute(self, seconds: float) -> None:
+        """Busy the device for ``seconds`` (checked every few kernels)."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            for _ in range(8):
+                self.a = self.torch.tanh(self.a @ self.a / 64)
+            self.synchronize()
+
+    def train(self) -> None:
+        self.compute(self.args.train_s)
+        self.dist.all_reduce(self.grad, group=self.groups.get("dp", self.dist.group.WORLD))
+        for group in self.all_groups():
+            self.dist.all_reduce(self.small, group=group)
+        self.synchronize()
+
+    def rollout(self) -> None:
+        self.compute(self.args.rollout_s)
+        self.dist.all_reduce(self.small, group=self.tp)  # the kept group keeps working
+
+    def destroy_groups(self) -> None:
+        for name in self.names:
+            if name != "world":
+                self.dist.destroy_process_group(self.groups[name])
+
+    def recreate_groups(self) -> None:
+        from amem_callbacks import name_group
+
+        for name in [n for n in self.names if n != "world"]:  # torch cannot re-create WORLD
+            self.groups[name] = self.dist.new_group(list(range(self.world)))
+            name_group(self.groups[name], name)
+            self.dist.all_reduce(self.small, group=self.groups[name])  # creates the comm
+
+    def bus_bandwidth(self) -> float:
+        """All-reduce bus bandwidth (GB/s) on dp, NCCL's definition."""
+        torch = self.torch
+        group = self.groups.get("dp", self.dist.group.WORLD)
+        x = torch.ones((256 if self.use_cuda else 4) * 2**18, device=self.device)
+        for _ in range(3):
+            self.dist.all_reduce(x, group=group)
+        self.synchronize()
+        iters = 10
+        start = time.perf_counter()
+        for _ in range(iters):
+            self.dist.all_reduce(x, group=group)
+        self.synchronize()
+        seconds = (time.perf_counter() - start) / iters
+        return x.numel() * x.element_size() / seconds * 2 * (self.world - 1) / self.world / 1e9
+
+    def small_loop(self, n: int) -> float:
+        self.synchronize()
+        start = time.perf_counter()
+        for _ in range(n):
+            self.dist.all_reduce(self.small, group=self.tp)
+        self.synchronize()
+        return time.perf_counter() - start
+
+
+def _run_mode(loop: Loop, mode: str, policy, sampler, progress, reports: dict) -> list:
+    steps = []
+    for step in range(loop.args.steps):
+        loop.dist.barrier(group=loop.sync)
+        loop.synchronize()
+        start = time.perf_counter()
+        sampler.phase = f"{mode}:rollout"
+        if mode == "recreate":
+            loop.destroy_groups()
+        elif policy is not None:
+            reports.setdefault("begin", []).append(policy.begin("rollout"))
+        loop.rollout()
+        sampler.phase = f"{mode}:train"
+        if mode == "recreate":
+            loop.recreate_groups()
+        elif policy is not None:
+            reports.setdefault("end", []).append(policy.end("rollout"))
+        loop.train()
+        steps.append(time.perf_counter() - start)
+        progress.step(f"{mode} step {step + 1}/{loop.args.steps}")
+    if policy is not None:
+        policy.wait()
+    sampler.phase = "idle"
+    return steps
+
+
+def _sweep(loop: Loop, backend: str, progress) -> dict:
+    """Transition time of a whole batch with 1..8 worker threads (no rollout)."""
+    from amem_callbacks import OffloadPolicy
+
+    out = {}
+    for workers in loop.args.sweep:
+        policy = OffloadPolicy(backend=backend, keep=["tp"], workers=workers,
+                               groups=loop.all_groups())
+        begins, ends = [], []
+        for _ in range(2):
+            loop.dist.barrier(group=loop.sync)
+            begins.append(policy.begin("rollout").wall_seconds)
+            loop.dist.barrier(group=loop.sync)
+            ends.append(policy.end("rollout").wall_seconds)
+        out[str(workers)] = {"begin_s": min(begins), "end_s": min(ends)}
+        progress.step(f"sweep workers={workers}")
+    return out
+
+
+def _guard_overhead(loop: Loop, n: int) -> dict:
+    from amem_callbacks import guard
+
+    with_guard, without = [], []
+    for _ in range(5):
+        guard.install()
+        with_guard.append(loop.small_loop(n))
+        guard.uninstall()
+        without.append(loop.small_loop(n))
+    guard.install()
+    return {"with_s": statistics.median(with_guard), "without_s": statistics.median(without),
+            "calls": n}
+
+
+def run_rank(args, rank: int, world: int, use_cuda: bool) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from amem_callbacks import OffloadPolicy
+
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world)
+    loop = Loop(args, rank, world, use_cuda)
+    backend = args.backend or ("nccl" if use_cuda else "noop")
+    sampler = MemorySampler(torch.cuda.current_device() if use_cuda else None).start()
+    total = len(args.modes) * args.steps + len(args.sweep)
+    progress = Progress(total, enabled=rank == 0)
+    result = {"bandwidth_before_GBps": loop.bus_bandwidth()}
+    if args.sweep:
+        result["sweep"] = _sweep(loop, backend, progress)
+    workers = args.workers or _best_workers(result.get("sweep"))
+    result["overlap_workers"] = workers
+    modes = {}
+    for mode in args.modes:
+        policy = None
+        if mode in ("naive", "overlap"):
+            policy = OffloadPolicy(backend=backend, keep=["tp"], overlap=mode == "overlap",
+                                   workers=workers if mode == "overlap" else 1,
+                                   groups=loop.all_groups())
+        reports = {}
+        steps = _run_mode(loop, mode, policy, sampler, progress, reports)
+        modes[mode] = {"step_s": steps, "reports": {
+            kind: [_report_row(r) for r in rs] for kind, rs in reports.items()}}
+        if mode == "overlap":
+            result["guard"] = _guard_overhead(loop, args.guard_calls)
+    result["modes"] = modes
+    result["bandwidth_after_GBps"] = loop.bus_bandwidth()
+    dist.barrier(group=loop.sync)
+    result["timeline"] = sampler.stop()
+    result["backend"] = backend
+    dist.barrier(group=loop.sync)
+    dist.destroy_process_group()
+    return result
+
+
+def _best_workers(sweep) -> int:
+    if not sweep:
+        return 1
+    return int(min(sweep, key=lambda w: sweep[w]["begin_s"] + sweep[w]["end_s"]))
+
+
+def _report_row(report) -> dict:
+    return {"wall_s": report.wall_seconds, "nccl_bytes": report.nccl_bytes,
+            "device_freed": report.device_freed_bytes, "agree_s": report.agree_seconds,
+            "groups": {g.name: [g.action, round(g.seconds, 4)] for g in report.groups},
+            "skipped": report.skipped}
+
+
+def _worker(rank: int, world: int, port: int, args, use_cuda: bool, out_path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
+    result = run_rank(args, rank, world, use_cuda)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(result, f)
+
+
+def main(args) -> int:
+    import tempfile
+
+    import torch
+
+    from .bench_report import summarise, write_outputs
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    use_cuda = gpus >= 2
+    if not use_cuda:
+        print("amem-callbacks bench: no 2 GPUs here, so this is a dry run on 2 CPU processes "
+              "with the noop backend; the figures are not GPU figures.")
+        args.sweep = []
+    raw_path = os.path.join(tempfile.mkdtemp(prefix="amem-bench-"), "rank0.json")
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        raw = run_rank(args, rank, world, use_cuda)
+        if rank != 0:
+            return 0
+    else:
+        import torch.multiprocessing as mp
+
+        world = gpus if use_cuda else 2
+        mp.start_processes(_worker, args=(world, _free_port(), args, use_cuda, raw_path),
+                           nprocs=world, start_method="spawn")
+        with open(raw_path) as f:
+            raw = json.load(f)
+    summary = summarise(raw, args, world, dry_run=not use_cuda)
+    write_outputs(summary, raw, args.out)
+    return 0

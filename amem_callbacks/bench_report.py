@@ -1,0 +1,130 @@
+"""Turns the bench's raw measurements into ratios, a table, JSON and a plot."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+
+GOALS = {"P1": (">=", 0.99), "P2": ("<=", 0.10), "P2b": ("<=", 1.0), "P3": ("<=", 1.01),
+         "P4": (">=", 0.99)}
+MEANING = {
+    "P1": "device bytes freed / NCCL suspendable bytes",
+    "P2": "extra step time, overlap / naive",
+    "P2b": "begin -> memory free, overlap / naive",
+    "P3": "small-collective loop, guard on / off",
+    "P4": "all-reduce bus bandwidth, after / before",
+    "recreate_over_overlap": "extra step time, destroy+recreate / overlap",
+}
+
+
+def _mean_steady(values: list) -> float:
+    """Mean without the first (warm-up) step when there are more."""
+    return statistics.mean(values[1:] if len(values) > 1 else values)
+
+
+def _ratio(a, b):
+    return None if a is None or b in (None, 0) else a / b
+
+
+def summarise(raw: dict, args, world: int, dry_run: bool) -> dict:
+    modes = raw["modes"]
+    mean = {m: _mean_steady(v["step_s"]) for m, v in modes.items()}
+    extra = {m: mean[m] - mean["none"] for m in mean} if "none" in mean else {}
+    begins = {m: modes[m]["reports"].get("begin", []) for m in ("naive", "overlap") if m in modes}
+    freed = [r["device_freed"] / r["nccl_bytes"] for r in begins.get("naive", [])
+             if r["device_freed"] is not None and r["nccl_bytes"]]
+    free_after = {m: _mean_steady([r["wall_s"] for r in rs]) for m, rs in begins.items() if rs}
+    guard = raw.get("guard")
+    figures = {
+        "P1": statistics.mean(freed) if freed else None,
+        "P2": _ratio(extra.get("overlap"), extra.get("naive")),
+        "P2b": _ratio(free_after.get("overlap"), free_after.get("naive")),
+        "P3": _ratio(guard["with_s"], guard["without_s"]) if guard else None,
+        "P4": _ratio(raw["bandwidth_after_GBps"], raw["bandwidth_before_GBps"]),
+        "recreate_over_overlap": _ratio(extra.get("recreate"), extra.get("overlap")),
+    }
+    verdicts = {}
+    for name, (op, goal) in GOALS.items():
+        value = figures[name]
+        verdicts[name] = None if value is None else (value >= goal if op == ">=" else value <= goal)
+    return {
+        "command": "amem-callbacks bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 1 else "",
+        "dry_run": dry_run, "world": world, "backend": raw["backend"],
+        "config": {"groups": args.groups, "steps": args.steps, "rollout_s": args.rollout_s,
+                   "train_s": args.train_s, "grad_mib": args.grad_mib,
+                   "overlap_workers": raw["overlap_workers"], "modes": list(modes)},
+        "mean_step_s": mean, "extra_step_s": extra, "begin_to_memory_free_s": free_after,
+        "figures": figures, "goals": {k: f"{op} {g}" for k, (op, g) in GOALS.items()},
+        "goal_met": verdicts, "sweep": raw.get("sweep"), "guard": guard,
+        "bandwidth_GBps": [raw["bandwidth_before_GBps"], raw["bandwidth_after_GBps"]],
+        "reports": {m: v["reports"] for m, v in modes.items()},
+        "note": "recreate destroys every group but the default one (torch cannot re-create it)",
+    }
+
+
+def table(summary: dict) -> str:
+    lines = [f"{'mode':<10}{'mean step s':>12}{'extra s':>10}"]
+    for mode, value in summary["mean_step_s"].items():
+        lines.append(f"{mode:<10}{value:>12.3f}{summary['extra_step_s'].get(mode, 0):>10.3f}")
+    if summary.get("sweep"):
+        lines += ["", f"{'workers':<10}{'begin s':>10}{'end s':>10}"]
+        for workers, row in summary["sweep"].items():
+            lines.append(f"{workers:<10}{row['begin_s']:>10.3f}{row['end_s']:>10.3f}")
+    lines += ["", f"{'figure':<24}{'value':>8}  {'goal':<8} meaning"]
+    for name, value in summary["figures"].items():
+        shown = "n/a" if value is None else f"{value:.3f}"
+        goal = summary["goals"].get(name, "")
+        met = summary["goal_met"].get(name)
+        mark = "" if met is None else (" ok" if met else " MISSED")
+        lines.append(f"{name:<24}{shown:>8}  {goal:<8} {MEANING[name]}{mark}")
+    if summary["dry_run"]:
+        lines += ["", "dry run (noop backend on CPU): no memory is freed; run on GPUs for figures"]
+    return "\n".join(lines)
+
+
+def write_outputs(summary: dict, raw: dict, out_dir: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    print(table(summary))
+    with open(os.path.join(out_dir, "bench.json"), "w") as f:
+        json.dump(dict(summary, timeline=raw.get("timeline", [])), f, indent=1)
+    print(f"\nwrote {os.path.join(out_dir, 'bench.json')}")
+    if raw.get("timeline"):
+        path = os.path.join(out_dir, "bench_memory.png")
+        if plot(raw["timeline"], path):
+            print(f"wrote {path}")
+
+
+def plot(timeline: list, path: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
+        return False
+    t = [row[0] for row in timeline]
+    free = [row[1] / 2**30 for row in timeline]
+    fig, ax = plt.subplots(figsize=(12, 4.5))
+    ax.plot(t, free, lw=1, color="black")
+    colours = {"rollout": "#9ecae1", "train": "#fdd0a2"}
+    start = 0
+    for i in range(1, len(timeline) + 1):
+        if i == len(timeline) or timeline[i][2] != timeline[start][2]:
+            label = timeline[start][2]
+            kind = label.split(":")[-1]
+            if kind in colours:
+                ax.axvspan(t[start], t[i - 1], color=colours[kind], alpha=0.5, lw=0)
+                if kind == "rollout" and (start == 0 or timeline[start - 1][2].split(":")[0]
+                                          != label.split(":")[0]):
+                    ax.text(t[start], max(free), label.split(":")[0], fontsize=8, va="top")
+            start = i
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("device free memory, GiB (rank 0)")
+    ax.set_title("amem-callbacks bench: rollout (blue) and training (orange) per mode")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
