@@ -120,7 +120,7 @@ class Transitions:
             else:
                 reason = d.reason if d.action != SUSPEND else reason_of(value)
                 report.groups.append(_group_report(g, KEPT, reason))
-        work = [(s, _group_report(s.info, SUSPENDED, suspendable=s.suspendable))
+        work = [(s, _group_report(s.info, SUSPENDED, suspendable=s.suspendable), s.pending)
                 for s in self._new_states(chosen, groups, world)]
         return self.executor.submit(lambda: self._batch(report, work, self._suspend,
                                                         self._close_begin), "begin transition")
@@ -150,8 +150,8 @@ class Transitions:
     def _batch(self, report: TransitionReport, work, op: Callable, close: Callable):
         self._measure(report, "before")
         if self.workers <= 1 or len(work) <= 1:
-            for state, rep in work:
-                self._run_op(op, state, rep)
+            for item in work:
+                self._run_op(op, *item)
         else:
             self._run_pool(op, work)
         close(report, work)
@@ -159,13 +159,16 @@ class Transitions:
         self._measure(report, "after")
         return self._finish(report)
 
-    def _run_op(self, op: Callable, state: GroupState, rep: GroupReport) -> None:
+    def _run_op(self, op: Callable, state: GroupState, rep: GroupReport,
+                done: threading.Event) -> None:
+        """Run one operation and signal *its own* event: a later operation may
+        already be queued on the group with a newer ``state.pending``."""
         start = time.monotonic()
         try:
             op(state, rep)
         finally:
             rep.seconds = time.monotonic() - start
-            state.pending.set()
+            done.set()
 
     def _run_pool(self, op: Callable, work) -> None:
         queue = iter(work)
@@ -254,8 +257,8 @@ class Transitions:
     def _close_begin(self, report: TransitionReport, work) -> None:
         outcomes = self.agreement.exchange(
             {s.info.key: (s.info.ranks, "ok" if s.status == SUSPENDED_STATE else "failed")
-             for s, _rep in work})
-        for state, rep in work:
+             for s, _rep, _done in work})
+        for state, rep, _done in work:
             peers = outcomes.get(state.info.key, {})
             failed = [r for r, v in peers.items() if v == "failed"]
             missing = [r for r, v in peers.items() if v is None]
@@ -274,20 +277,22 @@ class Transitions:
         """Collective: queue a resume for every group this policy holds suspended."""
         report.groups.extend(self.auto_resumed)
         self.auto_resumed = []
-        work = [(s, _group_report(s.info, RESUMED, suspendable=s.suspendable))
-                for _k, s in sorted(self.states.items())
-                if not s.resume_queued and s.status in (SUSPENDING, SUSPENDED_STATE)]
-        for state, _rep in work:
+        states = [s for _k, s in sorted(self.states.items())
+                  if not s.resume_queued and s.status in (SUSPENDING, SUSPENDED_STATE)]
+        work = []
+        for state in states:
             state.resume_queued = True
             state.pending = threading.Event()
+            work.append((state, _group_report(state.info, RESUMED, suspendable=state.suspendable),
+                         state.pending))
         return self.executor.submit(lambda: self._batch(report, work, self._resume,
                                                         self._close_end), "end transition")
 
     def _close_end(self, report: TransitionReport, work) -> None:
         outcomes = self.agreement.exchange(
             {s.info.key: (s.info.ranks, "failed" if s.status == BROKEN else "ok")
-             for s, _rep in work})
-        for state, rep in work:
+             for s, _rep, _done in work})
+        for state, rep, _done in work:
             peers = outcomes.get(state.info.key, {})
             failed = [r for r, v in peers.items() if v == "failed"]
             missing = [r for r, v in peers.items() if v is None]
@@ -384,8 +389,8 @@ class Transitions:
         rep = _group_report(state.info, RESUMED, f"resumed by the guard: {call} was called on it",
                             suspendable=state.suspendable)
         state.resume_queued = True
-        state.pending = threading.Event()
-        task = self.executor.submit(lambda: self._run_op(self._resume, state, rep),
+        state.pending = done = threading.Event()
+        task = self.executor.submit(lambda: self._run_op(self._resume, state, rep, done),
                                     f"resume of {name!r}")
         task.wait(state.timeout_s)
         self.counters.auto_resumes += 1

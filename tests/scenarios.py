@@ -394,6 +394,59 @@ def device_mesh(args):
             "dp_ranks": dist.get_process_group_ranks(mesh.get_group("dp"))}
 
 
+@scenario
+def interleave(args):
+    """Random interleavings of begin/end and calls on suspended, kept and
+    transitioning groups, with slow fake transitions and overlap on: no call may
+    ever reach a suspended communicator, and every result is exact."""
+    import random
+
+    from torch.distributed import distributed_c10d as c10d
+
+    init()
+    groups = make_groups(dist.get_world_size())
+    for g in groups.values():
+        allreduce_ok(g)
+    fake = FakeNccl()
+    for g in groups.values():
+        fake.controls.delay(fake.handle_of(g)[0], args.get("delay_us", 30000))
+    violations = []
+    original = c10d.all_reduce
+
+    def spy(tensor, *a, **kw):  # sits under the guard: sees what reaches the backend
+        group = kw.get("group") or dist.group.WORLD
+        name = next((n for n, g in groups.items() if g is group), None)
+        if name and fake.controls.suspended(fake.comms[name]):
+            violations.append(name)
+        return original(tensor, *a, **kw)
+
+    c10d.all_reduce = dist.all_reduce = spy
+    policy = OffloadPolicy(backend=fake.backend(), keep=["tp"], overlap=args.get("overlap", True),
+                           workers=args.get("workers", 1), agree_timeout_s=30, timeout_s=60)
+    same = random.Random(args.get("seed", 0))  # identical on every rank: same call order
+    mine = random.Random(1000 + rank())  # per-rank timing noise
+    exact, actions = [], []
+    for _ in range(args.get("actions", 40)):
+        choice = same.choice(["phase", "call", "call", "call", "wait"])
+        if choice == "phase":
+            (policy.end if policy.active_phase else policy.begin)("rollout")
+            actions.append("end" if not policy.active_phase else "begin")
+        elif choice == "call":
+            name = same.choice(sorted(groups))
+            exact.append(allreduce_ok(groups[name], same.randint(1, 9)))
+            actions.append(name)
+        else:
+            policy.wait()
+            actions.append("wait")
+        time.sleep(mine.random() * 0.02)
+    policy.end()
+    policy.wait()
+    exact.append(all(allreduce_ok(g) for g in groups.values()))
+    return {"violations": violations, "exact": all(exact), "actions": actions,
+            "auto_resumes": policy.counters.auto_resumes, "left_suspended": fake.suspended(),
+            "failures": policy.counters.failures}
+
+
 def main() -> None:
     name, args = sys.argv[1], json.loads(sys.argv[2])
     logging.basicConfig(level=logging.INFO, format=f"[rank {os.environ['RANK']}] %(message)s")

@@ -160,3 +160,13 @@ def test_device_mesh_groups_are_named_by_dimension_and_kept_by_it():
         groups = res["begin"]["groups"]
         assert groups["mesh_tp"][0] == "kept" and groups["mesh_dp"][0] == "suspended"
         assert groups["world"][0] == "suspended" and res["tp_ok"]
+
+
+@pytest.mark.parametrize("seed, workers, overlap", [(0, 1, True), (1, 3, True), (2, 2, False),
+                                                    (3, 1, True), (4, 4, True)])
+def test_random_interleavings_never_reach_a_suspended_communicator(seed, workers, overlap):
+    for res in results("interleave", seed=seed, workers=workers, overlap=overlap):
+        assert res["violations"] == [], res["actions"]
+        assert res["exact"] and res["failures"] == 0
+        assert not any(res["left_suspended"].values())
+        assert "begin" in res["actions"]
