@@ -27,6 +27,8 @@ COMPLETION_LEN = 4
 
 
 def init() -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # two ranks share the CI machine's cores
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
 
 
@@ -137,7 +139,8 @@ class UnevenTurns:
         return super()._generate(prompts)
 
 
-def train(callback_options=None, trainer_class=None, configure=None, fake=None, **arg_options):
+def train(callback_options=None, trainer_class=None, configure=None, fake=None, explicit=False,
+          **arg_options):
     """One GRPO run; returns its losses, metrics and what the recorder saw."""
     from trl import GRPOTrainer
 
@@ -150,11 +153,14 @@ def train(callback_options=None, trainer_class=None, configure=None, fake=None, 
         if options.get("backend") == "fake":
             options["backend"] = fake.backend()
         RECORDER.callback = AMemCallback(**options)
-        callbacks.append(RECORDER.callback)
+        if not explicit:
+            callbacks.append(RECORDER.callback)
     trainer = trainer_class(model=model(), reward_funcs=reward, args=grpo_args(**arg_options),
                             train_dataset=dataset(), processing_class=tokenizer(),
                             callbacks=callbacks)
     RECORDER.trainer = trainer
+    if explicit and RECORDER.callback is not None:
+        RECORDER.callback.attach(trainer)
     if configure is not None:
         configure(trainer)
     spy_model_generate(trainer)
@@ -162,15 +168,16 @@ def train(callback_options=None, trainer_class=None, configure=None, fake=None, 
     logs = [h for h in trainer.state.log_history if "loss" in h]
     callback = RECORDER.callback
     out = {"loss": [h["loss"] for h in logs], "grad_norm": [h["grad_norm"] for h in logs],
-           "reward": [h["reward"] for h in logs], "events": RECORDER.events,
+           "reward": [h.get("reward") for h in logs], "events": RECORDER.events,
            "param_sum": float(sum(p.detach().double().sum() for p in trainer.model.parameters())),
            "amem_logs": [{k: v for k, v in h.items() if k.startswith("amem/")} for h in logs]}
     if callback is not None:
         policy = callback.policy
         out.update(counters=policy.counters.as_dict(), kept=callback.kept, mode=callback.mode,
                    metrics=callback.metrics(),
-                   begin_groups={g.name: [g.action, g.reason] for g in callback._last_begin.groups},
-                   attached=callback.trainer is trainer)
+                   begin_groups={g.name: [g.action, g.reason] for g in callback.last_begin.groups},
+                   attached=callback.trainer is trainer,
+                   registered=sum(cb is callback for cb in trainer.callback_handler.callbacks))
         callback.detach()
     return out
 
@@ -206,22 +213,40 @@ def cadence(args):
     runs = {}
     for spg, ni in configs:  # baselines first: before any policy exists in this process
         runs[f"{spg}x{ni}"] = {"baseline": train(steps_per_generation=spg, num_iterations=ni,
-                                                 max_steps=8)}
+                                                 max_steps=args["max_steps"])}
     for spg, ni in configs:
         runs[f"{spg}x{ni}"]["amem"] = train(options, fake=fake, steps_per_generation=spg,
-                                             num_iterations=ni, max_steps=8)
+                                             num_iterations=ni, max_steps=args["max_steps"])
     return runs
 
 
-def uneven_turns(args):
-    """Ranks call the model a different number of times per generation."""
+def noop_runs(args):
+    """Dry runs: ranks that call the model a different number of times per
+    generation; generation that gathers parameters (FSDP, ZeRO-3)."""
     from trl import GRPOTrainer
 
-    fake = scenario_prelude(args)
-    cls = type("UnevenGRPOTrainer", (UnevenTurns, GRPOTrainer), {})
-    options = {"backend": args.get("backend", "noop"), "agree_timeout_s": 20}
-    return {"baseline": train(trainer_class=cls, max_steps=3),
-            "amem": train(options, trainer_class=cls, fake=fake, max_steps=3)}
+    from amem_callbacks.adapters import trl as adapter
+
+    scenario_prelude(args)
+    options = {"backend": "noop", "agree_timeout_s": 20}
+    out = {}
+    uneven = type("UnevenGRPOTrainer", (UnevenTurns, GRPOTrainer), {})
+    out["uneven"] = {"baseline": train(trainer_class=uneven, max_steps=3),
+                     "amem": train(options, trainer_class=uneven, max_steps=3, explicit=True)}
+
+    def as_fsdp2(trainer):  # FSDP2 needs no summon_full_params: only the detection sees it
+        trainer._dist.fsdp_version = 2
+
+    out["fsdp"] = train(options, configure=as_fsdp2, max_steps=2)
+    zero3_group = dist.new_group()
+    layer = torch.nn.Linear(2, 2)
+    layer.weight.ds_process_group = zero3_group  # what ZeRO-3 puts on its parameters
+    zero3 = types.SimpleNamespace(_dist=types.SimpleNamespace(is_zero3=True, is_fsdp=False),
+                                  model_wrapped=layer, use_vllm=False)
+    found = adapter._groups_generation_uses(zero3, "transformers")
+    out["zero3"] = [[adapter._keep_name(g, role), why] for g, role, why in found]
+    out["zero3_key"] = zero3_group.group_name
+    return out
 
 
 # --- vLLM stand-ins --------------------------------------------------------------
@@ -323,15 +348,3 @@ def vllm_modes(args):
         out[mode]["amem"] = train(options, configure=configure, fake=fake, max_steps=3)
     return out
 
-
-def options_errors(args):
-    """Bad options fail at construction, naming the choices; wrong trainers at attach."""
-    out = {}
-    for bad in ({"backend": "cuda"}, {"guard": "loose"}, {"keep": "tp"}, {"keep": ["nope"]},
-                {"min_bites": 1}, {"log_metrics": "yes"}):
-        try:
-            AMemCallback(**bad)
-            out[str(bad)] = None
-        except ValueError as exc:
-            out[str(bad)] = str(exc)
-    return out

@@ -1,0 +1,287 @@
+"""TRL adapter on real NCCL: GRPO with DDP on 2 GPUs, with and without AMemCallback.
+
+Command (2 GPUs; NCCL >= 2.29.7 preloaded; trl and datasets carried as wheels):
+    mkdir -p /tmp/nccl && xz -dc .nccl/libnccl.so.2.xz > /tmp/nccl/libnccl.so.2
+    export LD_PRELOAD=/tmp/nccl/libnccl.so.2
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \\
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+    python3 -m torch.distributed.run --nproc-per-node 2 tests/gpu/trl_gpu.py $OUT/trl_gpu.json
+
+Wheels (.whl): trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
+(datasets 5.2 also wants pyarrow>=24, fsspec<=2026.9.0, huggingface-hub>=1.31: the
+GPU image has these packages; carry a newer one only if its version there is lower).
+
+Four runs in the same processes, same seed, deterministic algorithms: baseline,
+AMemCallback(backend="nccl"), the same with overlap=True, baseline again (a
+control: if it differs from the first, the comparison says nothing). Checks:
+- every generation suspends the world group (DDP's only NCCL group) and the
+  device free memory rises by >= 99 % of its NCCL suspendable bytes, measured
+  by the policy around the suspend and independently at model.generate;
+- one begin/end per generation, no collective on a suspended group;
+- losses and gradient norms identical to the baseline;
+- step time with / without (goal <= 1.02), median over steps 2..N;
+- the amem/... figures are in trainer.state.log_history.
+Rank 0 writes every rank's figures and checks to OUT ("ok": all checks hold).
+``--cpu-smoke`` runs the same plumbing on CPU over gloo with the noop backend
+(the memory checks then fail by design): a check of the script, not a proof.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+
+def import_callback():
+    try:
+        from amem_callbacks.adapters.trl import AMemCallback
+    except ImportError:  # not pip-installed: the repo's adapters/ folder is that package
+        import adapters
+        import amem_callbacks
+
+        amem_callbacks.adapters = adapters
+        sys.modules["amem_callbacks.adapters"] = adapters
+        from amem_callbacks.adapters.trl import AMemCallback
+    return AMemCallback
+
+
+AMemCallback = import_callback()
+from amem_callbacks import OffloadPolicy  # noqa: E402
+
+VOCAB = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(4093)]
+BEGINS: list = []  # every begin report of the current run, in order
+SMOKE = "--cpu-smoke" in sys.argv  # runs the script's plumbing on CPU/gloo with the noop backend
+
+
+def tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                   unk_token="<unk>")
+
+
+def model(args):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(VOCAB), hidden_size=args.hidden,
+                         num_hidden_layers=args.layers, intermediate_size=args.hidden * 11 // 4,
+                         num_attention_heads=16,
+                         num_key_value_heads=4, max_position_embeddings=2048, pad_token_id=0,
+                         eos_token_id=1, bos_token_id=None, tie_word_embeddings=True,
+                         attn_implementation="eager")
+    return Qwen2ForCausalLM(config)
+
+
+def dataset():
+    from datasets import Dataset
+
+    n = len(VOCAB) - 3
+    return Dataset.from_dict({"prompt": [" ".join(f"w{(i * 131 + j * 17) % n}" for j in range(16))
+                                         for i in range(1024)]})
+
+
+def reward(completions, **kwargs):
+    return [len(set(c.split())) / (1 + len(c.split())) for c in completions]
+
+
+class StepTimer:
+    """Wall time of each optimizer step (generation included), GPU work finished."""
+
+    def __init__(self):
+        from transformers import TrainerCallback
+
+        timer = self
+
+        class _Callback(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                synchronize()
+                timer.start = time.perf_counter()
+
+            def on_step_end(self, args, state, control, **kwargs):
+                synchronize()
+                timer.steps.append(time.perf_counter() - timer.start)
+
+        self.steps, self.start, self.callback = [], 0.0, _Callback()
+
+
+def synchronize() -> None:
+    if not SMOKE:
+        torch.cuda.synchronize()
+
+
+def memory_now() -> dict:
+    if SMOKE:
+        return {"free": 0, "reserved": 0}
+    torch.cuda.synchronize()
+    return {"free": torch.cuda.mem_get_info()[0], "reserved": torch.cuda.memory_reserved()}
+
+
+def spy_generation(trainer, samples: list) -> None:
+    """Device memory when _generate starts (before the suspend) and when the model
+    starts generating (after it): an independent reading of what was freed."""
+    outer, inner = trainer._generate, trainer.model.generate
+    mark = {}
+
+    def _generate(*args, **kwargs):
+        mark["entry"] = memory_now()
+        return outer(*args, **kwargs)
+
+    def generate(*args, **kwargs):
+        if "entry" in mark:
+            now = memory_now()
+            samples.append({"free_gain": now["free"] - mark["entry"]["free"],
+                            "reserved_gain": now["reserved"] - mark["entry"]["reserved"]})
+            mark.clear()
+        return inner(*args, **kwargs)
+
+    trainer._generate, trainer.model.generate = _generate, generate
+
+
+def record_begins() -> None:
+    original = OffloadPolicy.begin
+
+    def begin(self, *args, **kwargs):
+        report = original(self, *args, **kwargs)
+        BEGINS.append(report)
+        return report
+
+    OffloadPolicy.begin = begin
+
+
+def run(args, name: str, callback_options=None) -> dict:
+    from trl import GRPOConfig, GRPOTrainer
+
+    BEGINS.clear()
+    config = GRPOConfig(
+        output_dir=os.path.join("/tmp", "amem-trl-gpu", name), bf16=not SMOKE, use_cpu=SMOKE,
+        per_device_train_batch_size=args.batch, num_generations=args.batch,
+        max_completion_length=args.completion_length, max_steps=args.steps, logging_steps=1,
+        report_to=[], save_strategy="no", seed=0, learning_rate=1e-5, beta=0.0,
+        disable_tqdm=True, generation_kwargs={"min_new_tokens": args.completion_length})
+    timer = StepTimer()
+    callbacks = [timer.callback]
+    callback = None
+    if callback_options is not None:
+        callback = AMemCallback(**callback_options)
+        callbacks.append(callback)
+    trainer = GRPOTrainer(model=model(args), reward_funcs=reward, args=config,
+                          train_dataset=dataset(), processing_class=tokenizer(),
+                          callbacks=callbacks)
+    samples = []
+    spy_generation(trainer, samples)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    out = {"loss": [h["loss"] for h in logs], "grad_norm": [h["grad_norm"] for h in logs],
+           "step_seconds": timer.steps,
+           "median_step_s": statistics.median(timer.steps[1:]) if len(timer.steps) > 1 else None}
+    if callback is not None:
+        callback.policy.wait()
+        begins = [{"suspended": [g.name for g in r.suspended], "kept": [g.name for g in r.kept],
+                   "nccl_bytes": r.nccl_bytes, "device_freed_bytes": r.device_freed_bytes,
+                   "seconds": r.total_seconds, "skipped": r.skipped} for r in BEGINS]
+        out.update(begins=begins, independent=samples, kept=callback.kept,
+                   backend=callback.policy.backend_description, inert=callback.policy.inert,
+                   counters=callback.policy.counters.as_dict(),
+                   end_seconds=callback.last_end.total_seconds if callback.last_end else None,
+                   logged=[h.get("amem/total/begins") for h in logs])
+        callback.detach()
+    del trainer
+    if not SMOKE:
+        torch.cuda.empty_cache()
+    return out
+
+
+def checks_for(result: dict, args) -> dict:
+    base, again = result["runs"]["baseline"], result["runs"]["baseline_again"]
+    checks = {"control_baseline_repeats_exactly": base["loss"] == again["loss"]
+              and base["grad_norm"] == again["grad_norm"]}
+    for name in ("amem", "amem_overlap"):
+        runs = result["runs"][name]
+        begins = runs["begins"]
+        checks[f"{name}_backend_active"] = not runs["inert"]
+        checks[f"{name}_one_begin_end_per_generation"] = (
+            runs["counters"]["amem/total/begins"] == runs["counters"]["amem/total/ends"]
+            == args.steps == len(begins))
+        checks[f"{name}_world_suspended_every_generation"] = all(
+            b["suspended"] == ["world"] for b in begins)
+        checks[f"{name}_no_collective_on_a_suspended_group"] = (
+            runs["counters"]["amem/total/auto_resumes"] == 0)
+        checks[f"{name}_losses_identical"] = runs["loss"] == base["loss"] and runs["grad_norm"] == \
+            base["grad_norm"]
+        checks[f"{name}_metrics_in_trainer_logs"] = runs["logged"] == list(range(1, args.steps + 1))
+    sync = result["runs"]["amem"]
+    checks["amem_freed_ge_99pct_of_suspendable"] = all(
+        b["nccl_bytes"] > 0 and b["device_freed_bytes"] >= 0.99 * b["nccl_bytes"]
+        for b in sync["begins"])
+    checks["amem_independent_freed_ge_99pct"] = len(sync["independent"]) == args.steps and all(
+        b["nccl_bytes"] > 0 and s["free_gain"] + s["reserved_gain"] >= 0.99 * b["nccl_bytes"]
+        for s, b in zip(sync["independent"], sync["begins"]))
+    return checks
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--completion-length", type=int, default=384)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--cpu-smoke", action="store_true")
+    args = parser.parse_args()
+    backend = "noop" if SMOKE else "nccl"
+    if not SMOKE:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    record_begins()
+    result = {"torch": torch.__version__, "args": vars(args), "runs": {}}
+    plan = [("baseline", None), ("amem", {"backend": backend}),
+            ("amem_overlap", {"backend": backend, "overlap": True}), ("baseline_again", None)]
+    for name, options in plan:
+        started = time.monotonic()
+        result["runs"][name] = run(args, name, options)
+        result["runs"][name]["wall_s"] = time.monotonic() - started
+    from amem_callbacks.nccl_library import NcclLibrary
+
+    lib = NcclLibrary.loaded()
+    result["nccl"] = lib.version_str if lib else None
+    result["device"] = None if SMOKE else torch.cuda.get_device_name()
+    base = result["runs"]["baseline"]["median_step_s"]
+    result["step_time_ratio"] = {n: result["runs"][n]["median_step_s"] / base
+                                 for n in ("amem", "amem_overlap", "baseline_again")}
+    result["checks"] = checks_for(result, args)
+    result["goals"] = {"step_time_ratio_le_1.02": {n: r <= 1.02 for n, r in
+                                                   result["step_time_ratio"].items()}}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, result)
+    if dist.get_rank() == 0:
+        summary = {"ok": all(all(r["checks"].values()) for r in everyone),
+                   "command": "python3 -m torch.distributed.run --nproc-per-node 2 "
+                              "tests/gpu/trl_gpu.py " + " ".join(sys.argv[1:]),
+                   "ranks": everyone}
+        with open(args.out, "w") as f:
+            json.dump(summary, f, indent=1, default=str)
+        for rank, r in enumerate(everyone):
+            failed = [k for k, v in r["checks"].items() if not v]
+            print(f"rank {rank}: step time ratio {r['step_time_ratio']}, failed checks: {failed}")
+        print("OK" if summary["ok"] else "FAILED")
+
+
+if __name__ == "__main__":
+    main()
