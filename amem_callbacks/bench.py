@@ -16,7 +16,8 @@ Figures, all ratios of this run's own measurements:
     P1  device bytes freed / NCCL's suspendable bytes
     P2  extra step time with overlap / with naive
     P2b begin -> memory actually free, overlap / naive
-    P3  small-collective loop with the guard installed / without
+    P3  small-collective loop on the kept group while others are suspended
+        (guard in place) / with nothing suspended (no guard)
     P4  all-reduce bus bandwidth after the cycles / before
     recreate_over_overlap  extra step time of recreate / of overlap
 """
@@ -237,18 +238,22 @@ def _sweep(loop: Loop, backend: str, progress) -> dict:
     return out
 
 
-def _guard_overhead(loop: Loop, n: int) -> dict:
-    from amem_callbacks import guard
+def _guard_overhead(loop: Loop, backend: str, n: int, rounds: int = 3) -> dict:
+    """The kept group's small-collective loop while the other groups are
+    suspended (the guard is in place and looks every call up) against the same
+    loop with nothing suspended (torch's own functions, no guard)."""
+    from amem_callbacks import OffloadPolicy
 
+    policy = OffloadPolicy(backend=backend, keep=["tp"], groups=loop.all_groups())
     with_guard, without = [], []
-    for _ in range(5):
-        guard.install()
+    for _ in range(rounds):
+        loop.dist.barrier(group=loop.sync)
+        policy.begin("rollout")
         with_guard.append(loop.small_loop(n))
-        guard.uninstall()
+        policy.end("rollout")
         without.append(loop.small_loop(n))
-    guard.install()
     return {"with_s": statistics.median(with_guard), "without_s": statistics.median(without),
-            "calls": n}
+            "calls": n, "rounds": rounds}
 
 
 def run_rank(args, rank: int, world: int, use_cuda: bool) -> dict:
@@ -263,7 +268,7 @@ def run_rank(args, rank: int, world: int, use_cuda: bool) -> dict:
     loop = Loop(args, rank, world, use_cuda)
     backend = args.backend or ("nccl" if use_cuda else "noop")
     sampler = MemorySampler(torch.cuda.current_device() if use_cuda else None).start()
-    total = len(args.modes) * args.steps + len(args.sweep)
+    total = len(args.modes) * args.steps + len(args.sweep) + 1
     progress = Progress(total, enabled=rank == 0)
     result = {"bandwidth_before_GBps": loop.bus_bandwidth()}
     if args.sweep:
@@ -281,9 +286,10 @@ def run_rank(args, rank: int, world: int, use_cuda: bool) -> dict:
         steps = _run_mode(loop, mode, policy, sampler, progress, reports)
         modes[mode] = {"step_s": steps, "reports": {
             kind: [_report_row(r) for r in rs] for kind, rs in reports.items()}}
-        if mode == "overlap":
-            result["guard"] = _guard_overhead(loop, args.guard_calls)
+
     result["modes"] = modes
+    result["guard"] = _guard_overhead(loop, backend, args.guard_calls)
+    progress.step("guard overhead")
     result["bandwidth_after_GBps"] = loop.bus_bandwidth()
     dist.barrier(group=loop.sync)
     result["timeline"] = sampler.stop()

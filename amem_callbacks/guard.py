@@ -13,12 +13,16 @@ C++ reducer all-reduce and ``_broadcast_coalesced``, functional collectives
 called directly on a ProcessGroup object, and names bound with ``from
 torch.distributed import all_reduce`` before the guard was installed. The
 policy's ``end()`` resumes eagerly so these never meet a suspended group.
+
+The wrappers exist only while some group is watched: between phases torch's
+own functions are back in place and cost nothing.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import threading
 
 COLLECTIVE = "collective"
@@ -54,13 +58,20 @@ _originals: dict = {}
 
 
 def watch(group, owner) -> None:
+    """Route calls on ``group`` through ``owner``; wraps torch.distributed on first use."""
+    install()
     with _lock:
         _guarded[group] = owner
 
 
 def unwatch(group) -> None:
+    """Stop routing ``group``; with nothing left to watch, the originals come back,
+    so training between phases runs on torch's functions untouched."""
     with _lock:
         _guarded.pop(group, None)
+        empty = not _guarded
+    if empty:
+        uninstall()
 
 
 def watched() -> dict:
@@ -87,20 +98,31 @@ def _wrap(fn, kind, param):
         except ValueError:
             position = None
 
-    @functools.wraps(fn)
-    def guarded(*args, **kwargs):
-        if _guarded:
-            _before(fn.__name__, kind, _group_argument(args, kwargs, position, param), kwargs)
-        return fn(*args, **kwargs)
+    name = fn.__name__
+    if kind == COLLECTIVE:  # the hot path: one dict lookup when the group is not watched
+        @functools.wraps(fn)
+        def guarded(*args, **kwargs):
+            if _guarded:
+                group = kwargs.get(param) if param in kwargs else (
+                    args[position] if position is not None and position < len(args) else None)
+                owner = _guarded.get(group if group is not None else _default_group())
+                if owner is not None:
+                    owner._before_use(group if group is not None else _default_group(),
+                                      COLLECTIVE, name)
+            return fn(*args, **kwargs)
+    else:
+        @functools.wraps(fn)
+        def guarded(*args, **kwargs):
+            if _guarded:
+                _before(name, kind, _group_argument(args, kwargs, position, param), kwargs)
+            return fn(*args, **kwargs)
 
     guarded.__amem_original__ = fn
     return guarded
 
 
 def _default_group():
-    from torch.distributed import distributed_c10d
-
-    return distributed_c10d._get_default_group()
+    return sys.modules["torch.distributed.distributed_c10d"]._get_default_group()
 
 
 def _before(call: str, kind: str, group, kwargs) -> None:

@@ -83,7 +83,7 @@ def group_timeout_s(group, default_s: float) -> float:
 class Transitions:
     def __init__(self, backend, agreement: Agreement, device: Optional[int],
                  timeout_s: Optional[float], counters: Counters, workers: int = 1,
-                 strict: bool = False):
+                 strict: bool = False, guarded: bool = True):
         self.backend = backend
         self.agreement = agreement
         self.device = device
@@ -91,6 +91,7 @@ class Transitions:
         self.counters = counters
         self.workers = workers
         self.strict = strict  # guard='strict': raise instead of resuming
+        self.guarded = guarded  # guard='off': calls are not intercepted
         self.executor = SerialExecutor()
         self.states: dict = {}  # key -> GroupState, for groups not known to be active
         self.auto_resumed: list = []  # GroupReports of guard resumes since the last end()
@@ -141,8 +142,9 @@ class Transitions:
             state = GroupState(info=info, covers=covers, suspendable=suspendable,
                                timeout_s=self.timeout_s or group_timeout_s(info.group, 1800.0))
             self.states[info.key] = state
-            for group in covers:
-                guard.watch(group, self)
+            if self.guarded:
+                for group in covers:
+                    guard.watch(group, self)
             states.append(state)
         return states
 
@@ -323,8 +325,9 @@ class Transitions:
 
     def _watch_again(self, state: GroupState) -> None:
         self.states[state.info.key] = state
-        for group in state.covers:
-            guard.watch(group, self)
+        if self.guarded:
+            for group in state.covers:
+                guard.watch(group, self)
 
     def _mark_broken(self, state: GroupState, rep: GroupReport, why: str) -> None:
         state.status = BROKEN
