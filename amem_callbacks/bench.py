@@ -301,7 +301,9 @@ def run_rank(args, rank: int, world: int, use_cuda: bool) -> dict:
 
 def _best_workers(sweep) -> int:
     if not sweep:
-        return 1
+        from amem_callbacks.policy import DEFAULT_WORKERS
+
+        return DEFAULT_WORKERS
     return int(min(sweep, key=lambda w: sweep[w]["begin_s"] + sweep[w]["end_s"]))
 
 

@@ -15,6 +15,7 @@ logger = logging.getLogger("amem_callbacks")
 
 GUARD_MODES = ("resume", "strict", "off")
 DEFAULT_MIN_BYTES = 16 * 2**20
+DEFAULT_WORKERS = 4
 
 
 class OffloadPolicy:
@@ -58,7 +59,7 @@ class OffloadPolicy:
     def __init__(self, backend: Union[str, object] = "auto",
                  keep: Union[Iterable[str], Mapping[str, Iterable[str]]] = (), *,
                  min_bytes: int = DEFAULT_MIN_BYTES, guard: str = "resume",
-                 overlap: bool = False, workers: int = 4, timeout_s: Optional[float] = None,
+                 overlap: bool = False, workers: int = DEFAULT_WORKERS, timeout_s: Optional[float] = None,
                  agree_timeout_s: float = 120.0, host_memory_cap_bytes: Optional[int] = None,
                  groups: Optional[Iterable] = None, backend_options: Optional[dict] = None):
         if isinstance(backend, str):
