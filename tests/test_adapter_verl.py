@@ -1,0 +1,247 @@
+"""verl 0.9.1 adapter: config, how the hooks get in, and where suspend/resume
+happen when verl's real worker methods run on two gloo ranks."""
+
+import pytest
+
+pytest.importorskip("verl")
+pytest.importorskip("hydra")
+
+from tests.harness import run_ranks  # noqa: E402
+from tests.scenarios_verl import compose, tiny_model  # noqa: E402
+
+import amem_callbacks.adapters.verl as adapter  # noqa: E402
+
+VALID = "valid keys: enable (true or false), backend"
+
+
+@pytest.fixture(autouse=True)
+def _driver_state():
+    """Converting a config with amem on marks this process as a driver: undo it."""
+    yield
+    adapter._driver.enabled = False
+
+
+# --- configuration ---------------------------------------------------------------
+def test_the_block_composes_validates_and_converts_to_verls_dataclasses(tmp_path):
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import omega_conf_to_dataclass, validate_config
+    from verl.workers.config import HFModelConfig, RolloutConfig
+
+    model = tiny_model(str(tmp_path / "model"))
+    cfg = compose(overrides=[
+        "+actor_rollout_ref.rollout.custom.amem.enable=true",
+        "+actor_rollout_ref.rollout.custom.amem.keep=[world]",
+        "+actor_rollout_ref.rollout.custom.amem.overlap=true",
+        "+actor_rollout_ref.rollout.custom.amem.guard=strict",
+        "+actor_rollout_ref.rollout.custom.amem.backend=noop",
+        f"actor_rollout_ref.model.path={model}", f"critic.model.path={model}"])
+    validate_config(cfg, use_reference_policy=need_reference_policy(cfg),
+                    use_critic=need_critic(cfg))
+    rollout = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
+    assert isinstance(rollout, RolloutConfig)
+    assert rollout.custom == {"amem": {"enable": True, "keep": ["world"], "overlap": True,
+                                       "guard": "strict", "backend": "noop"}}
+    assert isinstance(omega_conf_to_dataclass(cfg.actor_rollout_ref.model), HFModelConfig)
+    omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout.checkpoint_engine)
+    omega_conf_to_dataclass(cfg.critic)
+    assert adapter.read_settings(rollout.custom) == adapter.AmemSettings(
+        enable=True, backend="noop", keep=("world",), overlap=True, guard="strict")
+    assert adapter._driver.enabled
+
+    megatron = compose("ppo_megatron_trainer",
+                       ["+actor_rollout_ref.rollout.custom.amem.enable=true"])
+    assert omega_conf_to_dataclass(megatron.actor_rollout_ref.rollout).custom["amem"]["enable"]
+    omega_conf_to_dataclass(megatron.actor_rollout_ref.actor)
+
+
+@pytest.mark.parametrize("override, says", [
+    ("enabel=true", "unknown key(s) ['enabel']"),
+    ("enable=yes", "amem.enable must be true or false, got 'yes'"),
+    ("keep=tp", "amem.keep must be a list of group names"),
+    ("keep=[1]", "amem.keep must be a list of group names"),
+    ("overlap=1", "amem.overlap must be true or false, got 1"),
+    ("backend=cuda", "unknown backend 'cuda'"),
+    ("guard=loud", "unknown guard mode 'loud'"),
+])
+def test_a_bad_block_fails_at_conversion_naming_the_valid_keys(override, says):
+    from verl.utils.config import omega_conf_to_dataclass
+
+    cfg = compose(overrides=[f"+actor_rollout_ref.rollout.custom.amem.{override}"])
+    with pytest.raises(Exception) as info:
+        omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
+    assert says in str(info.value) and VALID in str(info.value)
+
+
+def test_a_bad_block_stops_init_model_before_any_model_is_built():
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    worker = object.__new__(ActorRolloutRefWorker)  # no engine, no rollout: it must not get there
+    worker.config = compose(overrides=["+actor_rollout_ref.rollout.custom.amem.keepp=[tp]"]
+                            ).actor_rollout_ref
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['keepp'\]; valid keys"):
+        worker.init_model()
+
+
+@pytest.mark.parametrize("custom", [None, {}, {"other": 1}, {"amem": None},
+                                    {"amem": {"enable": False, "guard": "strict"}}])
+def test_no_block_or_enable_false_means_off(custom):
+    assert adapter.read_settings(custom).enable is False
+
+
+def test_metrics_of_the_ranks_merge_to_the_slowest_time_and_mean_of_the_rest():
+    merged = adapter.merge_rank_metrics([
+        {"amem/begin/seconds": 1.0, "amem/begin/nccl_bytes": 100},
+        {"amem/begin/seconds": 3.0, "amem/begin/nccl_bytes": 300}, {}])
+    assert merged == {"amem/begin/seconds": 3.0, "amem/begin/nccl_bytes": 200.0}
+
+
+# --- how the hooks get in ----------------------------------------------------------
+def one_rank(scenario, **kwargs):
+    (res,) = run_ranks(f"tests.scenarios_verl:{scenario}", world=1, timeout=240, **kwargs)
+    return res["result"]
+
+
+def test_importing_verl_in_a_fresh_process_installs_the_hooks_via_the_entry_point():
+    res = one_rank("entry_point")
+    assert res["before"] is False and res["loaded_by_verl"] is True
+    assert res["hooks"] and all(res["hooks"].values()), res["hooks"]
+    assert res["update_weights_async"] is True
+    assert "ONE_TO_ALL" in res["dispatch"]["amem_rollout_ended"]
+    assert "ONE_TO_ALL" in res["dispatch"]["amem_metrics"]
+    # what create_colocated_worker_cls binds on the driver: our methods, update_weights still async
+    assert res["bound"]["actor_rollout_ref_amem_rollout_ended"] is False
+    assert res["bound"]["actor_rollout_ref_update_weights"] is True
+
+
+def test_model_external_lib_installs_the_hooks_when_entry_points_are_off(tmp_path):
+    res = one_rank("external_lib", args={"model_dir": str(tmp_path / "model")},
+                   env={"VERL_USE_EXTERNAL_PLUGINS": "none"})
+    assert res["before"]["loaded"] is False and not any(res["before"]["hooks"].values())
+    assert res["after"]["loaded"] is True and all(res["after"]["hooks"].values())
+
+
+# --- the boundaries, on two ranks ----------------------------------------------------
+def cycle(**args):
+    base = {"strategy": "fsdp", "amem": "on", "early": True, "free_cache_engine": True,
+            "overlap": False, "mode": "naive"}
+    base.update(args)
+    results = [r["result"] for r in run_ranks("tests.scenarios_verl:worker_cycle", world=2,
+                                              args=base, timeout=300)]
+    assert results[0]["events"] == results[1]["events"] or base["overlap"], \
+        "both ranks must see the same sequence"
+    assert [e[0] for e in results[0]["events"]] == [e[0] for e in results[1]["events"]]
+    return results
+
+
+def labels(events):
+    return [label for label, _ in events]
+
+
+def training(first_step: bool, save: bool) -> list:
+    actor_and_ref = ["actor.forward", "ref.forward"] if first_step else []
+    return (actor_and_ref + ["critic.forward"] + ["critic.train"] * 2 + ["actor.train"] * 2
+            + (["actor.save_checkpoint"] if save else []))
+
+
+def test_fsdp_suspends_after_the_handoff_before_the_kv_cache_and_resumes_when_rollout_ends():
+    fsdp_groups = ["mesh_critic_fsdp", "mesh_fsdp", "mesh_ref_fsdp", "world"]
+    for res in cycle(strategy="fsdp", early=True):
+        ALL = fsdp_groups
+
+        def sync():
+            return [("driver: update_weights", []), ("rollout.resume weights", []),
+                    ("actor.export fsdp", []),  # the weights gather over fsdp: active
+                    ("rollout.update_weights 1 tensors", []),
+                    ("amem.begin", []),
+                    ("rollout.resume kv_cache", ALL),  # freed before the KV cache returns
+                    ("driver: update_weights returned", ALL)]
+
+        def step(first):
+            return ([("rollout", ALL), ("replica.sleep", ALL),
+                     ("amem.end on amem-verl-resume", ALL)]  # sleep_replicas starts the resume
+                    + [(label, []) for label in training(first, save=not first)] + sync())
+
+        expected = ([("replica.sleep", []), ("actor.load_checkpoint", [])] + sync()
+                    + step(True) + step(False))
+        assert [tuple(e) for e in res["events"]] == expected
+        counters = res["session"]["counters"]
+        assert counters["begins"] == 3 and counters["ends"] == 2
+        assert counters["group_suspends"] == 3 * len(ALL)
+        assert counters["group_resumes"] == 2 * len(ALL)
+        assert counters["auto_resumes"] == 0 and counters["failures"] == 0
+        assert res["driver_calls"] == ["amem_rollout_ended", "amem_rollout_ended", "amem_metrics",
+                                       "amem_rollout_ended", "amem_metrics"]
+        (step1, log1), (step2, log2) = res["logged"]
+        assert (step1, step2) == (1, 2) and log1["training/global_step"] == 1
+        assert log1["amem/begin/groups_suspended"] == len(ALL)
+        assert log1["amem/end/groups_resumed"] == len(ALL)
+        assert (log1["amem/total/begins"], log2["amem/total/begins"]) == (2, 3)
+        assert log2["amem/begin/nccl_bytes"] == len(ALL) * 480 * 2**20
+
+
+def test_megatron_without_kv_cache_release_suspends_at_the_end_of_the_update_and_overlaps():
+    for res in cycle(strategy="megatron", early=False, free_cache_engine=False, overlap=True):
+        ALL = ["DATA_PARALLEL_GROUP", "PIPELINE_MODEL_PARALLEL_GROUP",
+               "TENSOR_MODEL_PARALLEL_GROUP", "critic_dp", "world"]
+        events = [tuple(e) for e in res["events"]]
+        sync = ["driver: update_weights", "actor.export pp", "actor.export tp",
+                "rollout.update_weights 2 tensors", "amem.begin", "driver: update_weights returned"]
+
+        def step(first):
+            # no early signal: the first training call resumes (the critic's in step 2)
+            return ["rollout", "amem.end on MainThread"] + training(first, save=not first) + sync
+
+        assert labels(events) == (["replica.sleep", "actor.load_checkpoint"] + sync
+                                  + step(True) + step(False))
+        for label, down in events:
+            if label.startswith("actor.export") or label == "amem.begin":
+                assert down == [], f"{label}: the hand-off groups must be active"
+            if label in ("driver: update_weights returned", "rollout", "amem.end on MainThread"):
+                assert down == ALL, label
+        # overlap: calls start while groups resume; strict guard saw no call on a suspended one
+        counters = res["session"]["counters"]
+        assert counters["begins"] == 3 and counters["ends"] == 2
+        assert counters["auto_resumes"] == 0 and counters["failures"] == 0
+        assert res["driver_calls"] == ["amem_rollout_ended", "amem_metrics", "amem_metrics"]
+
+
+def test_enable_false_leaves_verl_untouched():
+    for res in cycle(amem="off"):
+        assert res["session"] is None and res["driver_calls"] == []
+        assert all(down == [] for _label, down in res["events"])
+        assert not any(label.startswith("amem") for label, _ in res["events"])
+        assert [data for _step, data in res["logged"]] == [{"training/global_step": 1},
+                                                          {"training/global_step": 2}]
+
+
+def test_a_disaggregated_checkpoint_engine_suspends_nothing():
+    for res in cycle(mode="nccl"):
+        events = res["events"]
+        assert "checkpoint_engine.send_weights 1 tensors" in labels(events)
+        assert not any(label.startswith("amem") for label in labels(events))
+        assert all(down == [] for _label, down in events)
+        assert res["session"]["counters"]["begins"] == 0
+
+
+def test_the_example_script_composes_verls_config_with_the_block():
+    import os
+    import subprocess
+
+    import yaml
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(["bash", os.path.join(root, "examples", "verl", "run_ppo_amem.sh"),
+                          "--cfg", "job"], capture_output=True, text=True, timeout=180, cwd=root)
+    assert out.returncode == 0, out.stderr[-3000:]
+    cfg = yaml.safe_load(out.stdout)
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    job = OmegaConf.create(cfg)  # the checks main_ppo runs before it starts Ray
+    validate_config(job, use_reference_policy=need_reference_policy(job),
+                    use_critic=need_critic(job))
+    rollout = cfg["actor_rollout_ref"]["rollout"]
+    assert rollout["name"] == "vllm" and rollout["checkpoint_engine"]["backend"] == "naive"
+    assert adapter.read_settings(rollout["custom"]).enable is True
