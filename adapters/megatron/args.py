@@ -1,0 +1,142 @@
+"""The ``--rl-amem-*`` command-line flags, as a Megatron ``extra_args_provider``."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+from typing import Callable, Optional
+
+from amem_callbacks.backends import CHOICES as BACKEND_CHOICES
+
+from .roles import ALIASES, VALID_KEEP
+
+logger = logging.getLogger("amem_callbacks")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The flags' values.
+
+    Args:
+        enabled: ``--rl-amem-offload-during-rollout``.
+        backend: ``--rl-amem-backend``.
+        keep: ``--rl-amem-keep-groups``, as role names.
+        group_id: ``--rl-amem-group-id`` (AMem's ``ncclSetGroupID``).
+    """
+
+    enabled: bool = False
+    backend: str = "auto"
+    keep: tuple = ()
+    group_id: Optional[int] = None
+
+    def backend_options(self) -> dict:
+        return {"amem": {"group_id": self.group_id}} if self.group_id is not None else {}
+
+
+def keep_list(text: str) -> tuple:
+    """``"tp,dp"`` -> ``("tp", "dp")``; an unknown name fails with the valid ones."""
+    names = tuple(ALIASES.get(n.strip(), n.strip()) for n in text.split(",") if n.strip())
+    if not names:
+        raise argparse.ArgumentTypeError("give one or more group roles, e.g. dp,world")
+    unknown = [n for n in names if n not in VALID_KEEP]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown group role(s) {', '.join(map(repr, unknown))}: choose from "
+            f"{', '.join(sorted(VALID_KEEP))}")
+    return names
+
+
+def group_id(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
+    return value
+
+
+def _define(group) -> None:
+    group.add_argument(
+        "--rl-amem-offload-during-rollout", action="store_true",
+        help="suspend the NCCL communicators of the process groups the rollout leaves idle "
+             "when the inference engine resumes, and resume them when it suspends")
+    group.add_argument(
+        "--rl-amem-backend", choices=BACKEND_CHOICES, default="auto",
+        help="nccl: ncclCommSuspend (NCCL >= 2.29.7); amem: AMem's patched NCCL; noop: dry "
+             "run that only reports; auto: nccl, then amem, else leave training unchanged")
+    group.add_argument(
+        "--rl-amem-keep-groups", type=keep_list, default=(), metavar="NAME[,NAME...]",
+        help="parallel_state roles to keep active during rollout besides the ones the "
+             "engine uses (e.g. dp,world)")
+    group.add_argument(
+        "--rl-amem-group-id", type=group_id, default=None, metavar="N",
+        help="AMem only: ncclSetGroupID value, set before the first communicator exists")
+
+
+def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``--rl-amem-*`` flags to a Megatron argument parser.
+
+    Use it as Megatron's ``extra_args_provider``; it returns the parser, so it
+    composes with another provider (see :func:`chain`). It also arranges for
+    the rollout hooks to be installed when Megatron's inference engine is
+    imported; they do nothing unless ``--rl-amem-offload-during-rollout`` is
+    given.
+
+    Args:
+        parser: the ``argparse.ArgumentParser`` Megatron built.
+
+    Example:
+        >>> from amem_callbacks.adapters.megatron import add_args, chain
+        >>> pretrain(..., extra_args_provider=chain(add_inference_args, add_args))
+    """
+    _define(parser.add_argument_group(
+        title="amem_callbacks", description="free idle NCCL communicator memory during rollout"))
+    from .hooks import install_hooks
+
+    install_hooks()
+    return parser
+
+
+def chain(*providers: Callable) -> Callable:
+    """One ``extra_args_provider`` that applies ``providers`` in order.
+
+    Example:
+        >>> extra_args_provider=chain(add_inference_args, add_args)
+    """
+    def provider(parser):
+        for add in providers:
+            parser = add(parser) or parser
+        return parser
+
+    return provider
+
+
+def settings_from_args(args) -> Settings:
+    """Settings from a parsed namespace (Megatron's ``get_args()`` or the launcher's)."""
+    settings = Settings(
+        enabled=bool(getattr(args, "rl_amem_offload_during_rollout", False)),
+        backend=getattr(args, "rl_amem_backend", "auto") or "auto",
+        keep=tuple(getattr(args, "rl_amem_keep_groups", ()) or ()),
+        group_id=getattr(args, "rl_amem_group_id", None))
+    if settings.group_id is not None and settings.backend not in ("auto", "amem"):
+        logger.warning("amem_callbacks: --rl-amem-group-id applies to --rl-amem-backend amem "
+                       "(or auto); ignored with backend %r", settings.backend)
+        settings = dataclasses.replace(settings, group_id=None)
+    if not settings.enabled and (settings.keep or settings.backend != "auto"
+                                 or settings.group_id is not None):
+        logger.warning("amem_callbacks: --rl-amem-* options given without "
+                       "--rl-amem-offload-during-rollout: nothing will be offloaded")
+    return settings
+
+
+def launcher_parser() -> argparse.ArgumentParser:
+    """The flags alone, for the launcher to take out of a command line."""
+    parser = argparse.ArgumentParser(
+        prog="python -m amem_callbacks.adapters.megatron", add_help=False, allow_abbrev=False,
+        usage="%(prog)s SCRIPT.py|-m MODULE [SCRIPT ARGS and --rl-amem-* flags ...]",
+        description="Run a Megatron script with the --rl-amem-* flags and the rollout hooks; "
+                    "the flags may stand anywhere among the script's arguments.")
+    _define(parser.add_argument_group("amem_callbacks"))
+    return parser

@@ -1,0 +1,221 @@
+"""Megatron's process groups by their ``parallel_state`` role, and which of
+them a rollout leaves idle.
+
+Megatron keeps its groups in module globals of ``megatron.core.parallel_state``;
+they are read directly (not through the ``get_*_group`` functions) because the
+getters assert on groups that a configuration never creates. The ``*_GLOO``
+twins are left out: they have no NCCL communicator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+#: (role, parallel_state global). The order decides the name of a group object
+#: that serves several roles (e.g. ``intra_dp_cp`` is the ``dp_cp`` group itself
+#: when there is one distributed-optimizer instance).
+ROLES = (
+    ("tp", "_TENSOR_MODEL_PARALLEL_GROUP"),
+    ("pp", "_PIPELINE_MODEL_PARALLEL_GROUP"),
+    ("mp", "_MODEL_PARALLEL_GROUP"),
+    ("ep", "_EXPERT_MODEL_PARALLEL_GROUP"),
+    ("expert_tp", "_EXPERT_TENSOR_PARALLEL_GROUP"),
+    ("tp_ep", "_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP"),
+    ("tp_ep_pp", "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP"),
+    ("tp_cp", "_TENSOR_AND_CONTEXT_PARALLEL_GROUP"),
+    ("embd", "_EMBEDDING_GROUP"),
+    ("pos_embd", "_POSITION_EMBEDDING_GROUP"),
+    ("dp", "_DATA_PARALLEL_GROUP"),
+    ("dp_cp", "_DATA_PARALLEL_GROUP_WITH_CP"),
+    ("dp_cp_ag", "_DATA_PARALLEL_GROUP_WITH_CP_AG"),
+    ("intra_dp_cp", "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP"),
+    ("hybrid_dp_cp", "_HYBRID_DP_CP_GROUPS"),
+    ("cp", "_CONTEXT_PARALLEL_GROUP"),
+    ("hierarchical_cp", "_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS"),
+    ("tp_dp", "_TENSOR_AND_DATA_PARALLEL_GROUP"),
+    ("tp_dp_cp", "_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP"),
+    ("expert_dp", "_EXPERT_DATA_PARALLEL_GROUP"),
+    ("intra_expert_dp", "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP"),
+    ("inter_dist_opt", "_INTER_PARTIAL_EXPERT_DATA_PARALLEL_GROUP"),
+    ("intra_dist_opt", "_INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP"),
+)
+
+#: Groups inside one model replica, which in-place inference may use: the
+#: engine runs tensor, pipeline and expert collectives on them. Every group
+#: that spans data-parallel replicas (world, dp, dp_cp, tp_dp, expert_dp, the
+#: distributed-optimizer groups) cannot be used by per-replica inference, and
+#: dynamic inference runs without context parallelism (cp).
+KEEP_IN_PLACE = frozenset(
+    ("tp", "pp", "mp", "ep", "expert_tp", "tp_ep", "tp_ep_pp", "tp_cp", "embd", "pos_embd"))
+
+#: Names ``--rl-amem-keep-groups`` accepts.
+VALID_KEEP = frozenset(["world"] + [role for role, _ in ROLES])
+
+#: Megatron's ``ProcessGroupCollection`` field names for the same roles.
+ALIASES = {"expt_tp": "expert_tp", "expt_dp": "expert_dp", "intra_expt_dp": "intra_expert_dp",
+           "hcp": "hierarchical_cp"}
+
+IN_PLACE = "in-place"
+SEPARATE = "separate"
+
+
+@dataclasses.dataclass
+class RoleGroup:
+    """One process-group object and every role it serves on this rank."""
+
+    group: object
+    name: str
+    roles: list
+    keep: bool = False
+    why: str = ""
+
+
+@dataclasses.dataclass
+class RolloutGroups:
+    """What a rollout on one engine does with each group of this rank."""
+
+    mode: str
+    entries: list
+
+    @property
+    def groups(self) -> list:
+        return [entry.group for entry in self.entries]
+
+    @property
+    def kept_names(self) -> list:
+        return [entry.name for entry in self.entries if entry.keep]
+
+    def describe(self) -> str:
+        kept = [e.name for e in self.entries if e.keep]
+        idle = [e.name for e in self.entries if not e.keep]
+        return f"{self.mode} inference: keep {kept}, may suspend {idle}"
+
+
+def _flatten(value) -> list:
+    if value is None:
+        return []
+    if isinstance(value, dict):
+        return [g for v in value.values() for g in _flatten(v)]
+    if isinstance(value, (list, tuple)):
+        return [g for v in value for g in _flatten(v)]
+    return [value]
+
+
+def _parallel_state():
+    import importlib
+
+    return importlib.import_module("megatron.core.parallel_state")
+
+
+def is_initialized(ps=None) -> bool:
+    ps = ps or _parallel_state()
+    return getattr(ps, "_DATA_PARALLEL_GROUP", None) is not None
+
+
+def parallel_state_groups(ps=None) -> list:
+    """Every distinct group object of ``parallel_state`` this rank is in, the
+    default group first, each with its roles."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    ps = ps or _parallel_state()
+    entries, by_id = [], {}
+
+    def add(group, role):
+        if group is None or group is dist.GroupMember.NON_GROUP_MEMBER:
+            return
+        entry = by_id.get(id(group))
+        if entry is None:
+            entry = by_id[id(group)] = RoleGroup(group=group, name=role, roles=[])
+            entries.append(entry)
+        if role not in entry.roles:
+            entry.roles.append(role)
+
+    add(c10d._get_default_group(), "world")
+    for role, attribute in ROLES:
+        for group in _flatten(getattr(ps, attribute, None)):
+            add(group, role)
+    return entries
+
+
+def engine_groups(engine) -> list:
+    """``(field, group)`` for each group in the engine's ``pg_collection``."""
+    collection = getattr(engine, "pg_collection", None)
+    if collection is None:
+        return []
+    if dataclasses.is_dataclass(collection):
+        names = [f.name for f in dataclasses.fields(collection)]
+    else:
+        names = list(vars(collection))
+    out = []
+    for name in names:
+        # fields are init=False: the ones a collection was not given are unset
+        for group in _flatten(getattr(collection, name, None)):
+            out.append((name, group))
+    return out
+
+
+def rollout_mode(engine, ps=None) -> str:
+    """In-place when the engine runs on the training model's tensor-parallel
+    group; separate when it has its own (``--rl-inference-*-parallel-size``)."""
+    ps = ps or _parallel_state()
+    collection = getattr(engine, "pg_collection", None)
+    tp = getattr(collection, "tp", None) if collection is not None else None
+    if tp is None or tp is getattr(ps, "_TENSOR_MODEL_PARALLEL_GROUP", None):
+        return IN_PLACE
+    return SEPARATE
+
+
+def classify(engine, keep=(), ps=None, mode: Optional[str] = None) -> RolloutGroups:
+    """Which groups a rollout on ``engine`` keeps active and which it may suspend.
+
+    In-place inference keeps :data:`KEEP_IN_PLACE`. A separate inference model
+    leaves every training group idle; only the groups in its engine's
+    ``pg_collection`` stay active (they are added as ``inference_<field>``, so
+    reports show them and a process-wide backend sees them). ``keep`` adds
+    roles to keep.
+
+    Args:
+        engine: the ``DynamicInferenceEngine`` (or None: in-place).
+        keep: extra role names to keep (``--rl-amem-keep-groups``).
+        ps: the ``parallel_state`` module (tests pass their own).
+        mode: force IN_PLACE or SEPARATE instead of detecting it.
+
+    Example:
+        >>> plan = classify(engine, keep=["dp"])
+        >>> policy = OffloadPolicy(keep=plan.kept_names, groups=plan.groups)
+    """
+    ps = ps or _parallel_state()
+    mode = mode or rollout_mode(engine, ps)
+    keep = {ALIASES.get(name, name) for name in keep}
+    entries = parallel_state_groups(ps)
+    used_by_engine = {id(group) for _, group in engine_groups(engine)}
+    if mode == SEPARATE:
+        known = {id(entry.group) for entry in entries}
+        for field, group in engine_groups(engine):
+            if id(group) not in known:
+                known.add(id(group))
+                entries.append(RoleGroup(group=group, name=f"inference_{field}",
+                                         roles=[f"inference_{field}"], keep=True,
+                                         why="the inference model's own group"))
+    for entry in entries:
+        if entry.keep:
+            continue
+        asked = sorted(set(entry.roles) & keep)
+        if asked:
+            entry.keep, entry.why = True, f"--rl-amem-keep-groups {','.join(asked)}"
+        elif mode == IN_PLACE and set(entry.roles) & KEEP_IN_PLACE:
+            entry.keep, entry.why = True, "in-place inference may use it (inside one model replica)"
+        elif mode == SEPARATE and id(entry.group) in used_by_engine:
+            entry.keep, entry.why = True, "the inference engine uses it"
+    return RolloutGroups(mode=mode, entries=entries)
+
+
+def name_groups(plan: RolloutGroups) -> None:
+    """Give each group its role name for ``keep`` lists and reports."""
+    from amem_callbacks import name_group
+
+    for entry in plan.entries:
+        if entry.name != "world":
+            name_group(entry.group, entry.name)

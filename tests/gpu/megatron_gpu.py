@@ -1,0 +1,262 @@
+"""Megatron adapter on real NCCL: 2 ranks, real ``parallel_state`` groups, the
+hooked ``DynamicInferenceEngine`` class of megatron-core 0.16.1.
+
+Command (repo root, 2 GPUs, NCCL >= 2.29.7 loaded, e.g. LD_PRELOAD of
+../shared/tools/device-nccl's output; carry the megatron-core wheel):
+    pip install --no-deps megatron_core-0.16.1-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl
+    pip install --no-deps --no-build-isolation -e .   # optional: then the launcher is used
+    python tests/gpu/megatron_gpu.py OUT_DIR
+
+Three configurations, each under its own ``torch.distributed.run``:
+    dp2       TP=1, DP=2, in-place inference (the kept groups have one rank)
+    tp2       TP=2, DP=1, in-place inference (tp, mp, ... span both ranks and stay active)
+    separate  TP=1, DP=2 training; inference on its own TP=2 groups (all training groups idle)
+For each, 3 rollouts: ``engine.resume()`` must free >= 99 % of the NCCL
+suspendable bytes of the groups it suspended (cudaMemGetInfo), NCCL's stats
+must say suspended for exactly those, the kept groups must run exact
+all-reduces meanwhile, and after ``engine.suspend()`` every group is active
+again with exact results. With the package installed, workers run through
+``python -m amem_callbacks.adapters.megatron ... --rl-amem-offload-during-rollout
+--rl-amem-backend nccl``; otherwise they install the hooks themselves.
+Writes OUT_DIR/megatron_gpu.json (and per-rank files); exit 0 when every check passes.
+One configuration alone:
+    python -m torch.distributed.run --nproc-per-node 2 tests/gpu/megatron_gpu.py --worker tp2 OUT_DIR
+
+Ranks synchronise over a gloo group while NCCL groups are suspended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from collections import deque
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONFIGS = ("dp2", "tp2", "separate")
+FLAGS = ["--rl-amem-offload-during-rollout", "--rl-amem-backend", "nccl"]
+MiB = 2**20
+
+
+def installed() -> bool:
+    try:
+        return importlib.util.find_spec("amem_callbacks.adapters.megatron") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def import_adapter():
+    """The adapter; without a pip install, the repo's adapters/ folder is mapped
+    to amem_callbacks.adapters as pyproject.toml does."""
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    if not installed():
+        spec = importlib.util.spec_from_file_location(
+            "amem_callbacks.adapters", os.path.join(ROOT, "adapters", "__init__.py"),
+            submodule_search_locations=[os.path.join(ROOT, "adapters")])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    import amem_callbacks.adapters.megatron as adapter
+
+    return adapter
+
+
+# --- worker (one rank) ----------------------------------------------------
+class StubContext:
+    """The KV-cache context: the proof is about NCCL memory, not the KV cache."""
+
+    def allocate_all_tensors(self, *, is_init):
+        pass
+
+    def deallocate_all_tensors(self):
+        pass
+
+    def reset(self):
+        pass
+
+
+def make_engine(pg_collection):
+    """A DynamicInferenceEngine (its __init__ needs a model) with the state
+    resume()/suspend() read; their own bodies run unchanged."""
+    from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
+
+    engine = object.__new__(DynamicInferenceEngine)
+    engine.context = StubContext()
+    engine.unified_memory_level = 0
+    engine.persist_cuda_graphs = True
+    engine.is_suspended = True
+    engine.waiting_request_ids = deque()
+    engine.requests = {}
+    engine.resume_request_ids = []
+    engine._loop = asyncio.new_event_loop()
+    engine._cond = asyncio.Condition()
+    engine.pg_collection = pg_collection
+    return engine
+
+
+def exact(group, value: float) -> bool:
+    import torch
+    import torch.distributed as dist
+
+    ranks = dist.get_process_group_ranks(group)
+    t = torch.full((1 << 20,), value * (dist.get_rank() + 1), device="cuda")
+    dist.all_reduce(t, group=group)
+    return bool(torch.all(t == value * sum(r + 1 for r in ranks)).item())
+
+
+def free_bytes() -> int:
+    import torch
+
+    torch.cuda.synchronize()
+    return torch.cuda.mem_get_info()[0]
+
+
+def nccl_suspended(controller, entries) -> dict:
+    from amem_callbacks.backends.nccl import torch_comm_handle
+
+    out = {}
+    for entry in entries:
+        handle, _ = torch_comm_handle(entry.group)
+        out[entry.name] = None if handle is None else \
+            controller.policy.backend.memory(handle).suspended
+    return out
+
+
+def worker(config: str, out_dir: str) -> bool:
+    import torch
+    import torch.distributed as dist
+
+    adapter = import_adapter()
+    from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sync = dist.new_group(backend="gloo")
+    ps.initialize_model_parallel(tensor_model_parallel_size=2 if config == "tp2" else 1)
+    # training has run collectives on these groups: their communicators exist
+    created = all(exact(e.group, 1.0) for e in adapter.roles.parallel_state_groups(ps))
+    if config == "separate":
+        inference_tp = dist.new_group(list(range(world)))
+        singles = [dist.new_group([r]) for r in range(world)]
+        collection = ProcessGroupCollection(tp=inference_tp, pp=singles[rank], mp=inference_tp)
+        created &= exact(inference_tp, 1.0) and exact(singles[rank], 1.0)
+    else:
+        collection = ProcessGroupCollection.use_mpu_process_groups()
+
+    controller = adapter.hooks.current_controller()  # from the launcher's flags
+    via_launcher = controller is not None
+    if controller is None:
+        controller = adapter.install(settings=adapter.Settings(enabled=True, backend="nccl"))
+    engine = make_engine(collection)
+    total = torch.cuda.mem_get_info()[1]
+    checks = {"communicators_created_exact": created}
+    cycles = []
+    for cycle in range(3):
+        free0 = free_bytes()
+        engine.resume()
+        free1 = free_bytes()
+        via_begin, begin = controller.reports[-1]
+        plan = controller.plan
+        kept = [e for e in plan.entries if e.keep]
+        idle = [e.name for e in plan.entries if not e.keep]
+        suspended = {g.name: g.suspendable_bytes or 0 for g in begin.suspended}
+        nccl_bytes = sum(suspended.values())
+        stats_during = nccl_suspended(controller, plan.entries)
+        kept_exact = {e.name: exact(e.group, cycle + 2.0) for e in kept}
+        dist.barrier(group=sync)
+        engine.suspend()
+        free2 = free_bytes()
+        via_end, end = controller.reports[-1]
+        stats_after = nccl_suspended(controller, plan.entries)
+        all_exact = all(exact(e.group, cycle + 3.0) for e in plan.entries)
+        c = {
+            "via": [via_begin, via_end], "mode": plan.mode, "kept": [e.name for e in kept],
+            "idle": idle, "suspended": suspended,
+            "idle_left_active": {g.name: g.reason for g in begin.groups
+                                 if g.name in idle and g.action != "suspended"},
+            "nccl_suspendable_bytes": nccl_bytes, "device_freed": free1 - free0,
+            "device_freed_by_policy": begin.device_freed_bytes,
+            "device_back_after_end": free2 - free0,
+            "freed_pct": 100.0 * (free1 - free0) / nccl_bytes if nccl_bytes else None,
+            "begin_wall_s": begin.wall_seconds, "end_wall_s": end.wall_seconds,
+            "stats_during": stats_during, "stats_after": stats_after, "kept_exact": kept_exact,
+            "checks": {
+                "hooks_fired_on_engine": [via_begin, via_end] == [
+                    "DynamicInferenceEngine.resume", "DynamicInferenceEngine.suspend"],
+                "world_suspended": "world" in suspended,
+                "only_idle_suspended": set(suspended) <= set(idle),
+                "freed_ge_99pct_of_suspendable": (free1 - free0) >= 0.99 * nccl_bytes > 0,
+                "nccl_says_suspended_exactly_those": {
+                    n for n, s in stats_during.items() if s} == set(suspended),
+                "kept_groups_exact_during": all(kept_exact.values()),
+                "all_active_after_end": not any(stats_after.values()),
+                "exact_after_end": all_exact,
+                "memory_back_after_end": abs(free2 - free0) <= 64 * MiB,
+            }}
+        if config == "separate":
+            c["checks"]["every_training_group_idle"] = bool(kept) and all(
+                e.name.startswith("inference_") for e in kept)
+        cycles.append(c)
+    if config == "tp2":
+        checks["a_kept_group_spans_both_ranks"] = any(
+            len(dist.get_process_group_ranks(e.group)) == 2 for e in kept)
+    ok = all(checks.values()) and all(all(c["checks"].values()) for c in cycles)
+    result = {"config": config, "rank": rank, "ok": ok, "via_launcher": via_launcher,
+              "checks": checks, "cycles": cycles, "device_total": total,
+              "counters": controller.policy.counters.as_dict(),
+              "nccl_backend": controller.policy.backend_description, "torch": torch.__version__}
+    with open(os.path.join(out_dir, f"megatron_gpu.{config}.rank{rank}.json"), "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    dist.barrier(group=sync)
+    dist.destroy_process_group()
+    print(f"[{config} rank {rank}] {'OK' if ok else 'FAILED'} freed "
+          f"{[round(c['freed_pct'] or 0, 2) for c in cycles]} % of suspendable; "
+          f"suspended {sorted(cycles[0]['suspended'])}", flush=True)
+    return ok
+
+
+# --- driver ------------------------------------------------------------------
+def main() -> int:
+    args = sys.argv[1:]
+    if args[:1] == ["--worker"]:
+        config, out_dir = args[1], args[2]
+        return 0 if worker(config, out_dir) else 1
+    out_dir = args[0] if args else os.environ.get("OUT", ".")
+    os.makedirs(out_dir, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    summary = {"launcher": installed(), "configs": {}}
+    for config in CONFIGS:
+        target = [os.path.abspath(__file__), "--worker", config, out_dir]
+        if summary["launcher"]:
+            target = ["-m", "amem_callbacks.adapters.megatron", *target, *FLAGS]
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                               "2", *target], cwd=ROOT, env=env, timeout=600)
+        ranks = []
+        for rank in range(2):
+            path = os.path.join(out_dir, f"megatron_gpu.{config}.rank{rank}.json")
+            ranks.append(json.load(open(path)) if os.path.exists(path) else {"ok": False})
+        summary["configs"][config] = {
+            "returncode": proc.returncode, "ok": proc.returncode == 0 and all(
+                r.get("ok") for r in ranks),
+            "freed_pct": [c["freed_pct"] for c in ranks[0].get("cycles", [])],
+            "suspended": ranks[0]["cycles"][0]["suspended"] if ranks[0].get("cycles") else None,
+            "kept": ranks[0]["cycles"][0]["kept"] if ranks[0].get("cycles") else None,
+            "failed_checks": sorted({k for r in ranks for c in r.get("cycles", [])
+                                     for k, v in c["checks"].items() if not v}
+                                    | {k for r in ranks for k, v in r.get("checks", {}).items()
+                                       if not v})}
+    summary["ok"] = all(c["ok"] for c in summary["configs"].values())
+    with open(os.path.join(out_dir, "megatron_gpu.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    print(json.dumps(summary, indent=1))
+    return 0 if summary["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,320 @@
+"""Megatron adapter scenarios on gloo: real ``parallel_state`` groups, the real
+``DynamicInferenceEngine`` class with the hooks, a fake NCCL behind each group.
+
+Run by tests.harness (``tests.scenarios_megatron:NAME``) in fresh processes.
+The engine's own ``__init__`` builds CUDA state (``torch.cuda.Event``), so
+:func:`make_engine` fills in only what ``resume()``/``suspend()`` read; their
+real bodies run, with ``torch.cuda.synchronize`` and the engine's
+memory-logging context (``torch.cuda.memory_stats``) replaced for the CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import textwrap
+from collections import deque
+
+import torch
+import torch.distributed as dist
+
+from tests.scenarios import FakeNccl, init
+
+
+class StubContext:
+    """Stands in for DynamicInferenceContext; counts what the engine asks of it."""
+
+    def __init__(self):
+        self.calls = {"allocate_all_tensors": 0, "deallocate_all_tensors": 0, "reset": 0}
+
+    def allocate_all_tensors(self, *, is_init):
+        self.calls["allocate_all_tensors"] += 1
+
+    def deallocate_all_tensors(self):
+        self.calls["deallocate_all_tensors"] += 1
+
+    def reset(self):
+        self.calls["reset"] += 1
+
+
+class FakeWriter:
+    """Records what tensorboard's add_scalar / wandb's log receive."""
+
+    def __init__(self):
+        self.scalars, self.logged = [], []
+
+    def add_scalar(self, name, value, step):
+        self.scalars.append((name, value, step))
+
+    def log(self, metrics, step):
+        self.logged.append((dict(metrics), step))
+
+
+def cpu_engine_class():
+    from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
+
+    class CpuEngine(DynamicInferenceEngine):
+        # the engine calls self.__class__.suspend_resume_ctx; the real one reads CUDA stats
+        @staticmethod
+        @contextlib.contextmanager
+        def suspend_resume_ctx(key, *, unified_memory_level):
+            yield
+
+    return CpuEngine
+
+
+def make_engine(pg_collection=None, suspended=True, cls=None):
+    """A DynamicInferenceEngine with the state resume()/suspend() use (0.16.1)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    if not torch.cuda.is_available():
+        torch.cuda.synchronize = lambda *a, **k: None
+    engine = object.__new__(cls or cpu_engine_class())
+    engine.context = StubContext()
+    engine.unified_memory_level = 0
+    engine.persist_cuda_graphs = True  # no CUDA graphs to delete or capture
+    engine.is_suspended = suspended
+    engine.waiting_request_ids = deque()
+    engine.requests = {}
+    engine.resume_request_ids = []
+    engine._loop = asyncio.new_event_loop()
+    engine._cond = asyncio.Condition()
+    engine.pg_collection = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
+    return engine
+
+
+def drain(engine):
+    """Run what resume() scheduled on the engine's loop (its notify task)."""
+    engine._loop.run_until_complete(asyncio.sleep(0))
+
+
+def exact(group, value: float) -> bool:
+    ranks = dist.get_process_group_ranks(group)
+    t = torch.full((8,), float(dist.get_rank() + 1) * value)
+    dist.all_reduce(t, group=group)
+    return bool(torch.all(t == value * sum(r + 1 for r in ranks)))
+
+
+def init_megatron(args):
+    from megatron.core import parallel_state as ps
+
+    init()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=args.get("tp", 1),
+        pipeline_model_parallel_size=args.get("pp", 1),
+        context_parallel_size=args.get("cp", 1),
+        expert_model_parallel_size=args.get("ep", 1),
+        create_all_gather_group=args.get("ag", False))
+    return ps
+
+
+def controller_for(args, fake, **extra):
+    from amem_callbacks.adapters.megatron import Settings, install
+
+    backend = extra.pop("backend", None) or fake.backend()
+    settings = Settings(enabled=True, keep=tuple(args.get("keep", ())),
+                        backend=args.get("backend_name", "auto"))
+    return install(settings=settings, backend=backend, agree_timeout_s=20, timeout_s=30, **extra)
+
+
+def summary(report) -> dict:
+    if report is None:
+        return None
+    return {"skipped": report.skipped, "summary": report.summary(),
+            "groups": {g.name: [g.action, g.reason] for g in report.groups}}
+
+
+# --- scenarios -----------------------------------------------------------
+def describe_groups(controller, ps) -> dict:
+    """The roles the adapter found, and the names discovery (so reports) gives them."""
+    from amem_callbacks.backends.noop import NoopBackend
+    from amem_callbacks.groups import discover
+
+    plan = controller.plan
+    gloo_twins = {id(getattr(ps, n)) for n in dir(ps)
+                  if n.endswith("_GLOO") and getattr(ps, n) is not None}
+    return {
+        "entries": [{"name": e.name, "roles": e.roles, "keep": e.keep, "why": e.why,
+                     "ranks": dist.get_process_group_ranks(e.group),
+                     "desc": getattr(e.group, "group_desc", None)} for e in plan.entries],
+        "discovered_names": sorted(info.name for info in discover(NoopBackend(), plan.groups)),
+        "gloo_twins_left_out": not any(id(e.group) in gloo_twins for e in plan.entries),
+    }
+
+
+def engine_cycle(args):
+    """The real engine class, hooked: resume() begins the rollout, suspend() ends it."""
+    from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
+
+    ps = init_megatron(args)
+    fake = FakeNccl()
+    tensorboard, wandb = FakeWriter(), FakeWriter()
+    controller = controller_for(args, fake, writers=(tensorboard, wandb))
+    engine = make_engine()
+    hooked = [getattr(getattr(DynamicInferenceEngine, name), "__amem_original__", None)
+              for name in ("resume", "suspend")]
+    out = {"hooked": [fn is not None for fn in hooked], "cycles": []}
+    for cycle in range(args.get("cycles", 2)):
+        engine.resume()
+        drain(engine)
+        during = fake.suspended()
+        kept = [e for e in controller.plan.entries if e.keep]
+        kept_exact = all(exact(e.group, cycle + 2.0) for e in kept)
+        still = fake.suspended()  # calls on kept groups must not have resumed anything
+        engine.resume()  # running already: the engine returns at once, no second begin
+        begins = controller.policy.counters.begins
+        engine.suspend()
+        after = fake.suspended()
+        engine.suspend()  # suspended already: no second end
+        all_exact = all(exact(e.group, cycle + 3.0) for e in controller.plan.entries)
+        out["cycles"].append({
+            "begin": summary(controller.reports[-2][1]), "end": summary(controller.reports[-1][1]),
+            "via": [controller.reports[-2][0], controller.reports[-1][0]],
+            "during": during, "still": still, "after": after, "kept_exact": kept_exact,
+            "begins_after_second_resume": begins, "all_exact": all_exact})
+    out.update(
+        mode=controller.plan.mode, kept=controller.plan.kept_names,
+        counters=controller.policy.counters.as_dict(), context_calls=engine.context.calls,
+        tensorboard_names=sorted({n for n, _, _ in tensorboard.scalars}),
+        tensorboard_steps=sorted({s for _, _, s in tensorboard.scalars}),
+        wandb_calls=len(wandb.logged),
+        wandb_first=wandb.logged[0][0] if wandb.logged else None,
+        **describe_groups(controller, ps))
+    return out
+
+
+def separate_engine(args):
+    """A separate inference model: its own groups stay active, every training group sleeps."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    init_megatron(args)
+    world = dist.get_world_size()
+    inference_tp = dist.new_group(list(range(world)))
+    singles = [dist.new_group([r]) for r in range(world)]
+    inference_pp = singles[dist.get_rank()]
+    collection = ProcessGroupCollection(tp=inference_tp, pp=inference_pp, mp=inference_tp)
+    fake = FakeNccl()
+    controller = controller_for(args, fake)
+    engine = make_engine(pg_collection=collection)
+    engine.resume()
+    drain(engine)
+    during = fake.suspended()
+    inference_ok = exact(inference_tp, 2.0)
+    engine.suspend()
+    return {"mode": controller.plan.mode, "during": during,
+            "begin": summary(controller.reports[0][1]), "inference_ok": inference_ok,
+            "after": fake.suspended(),
+            "all_exact": all(exact(e.group, 4.0) for e in controller.plan.entries)}
+
+
+def amem_in_place(args):
+    """AMem pauses the whole process: with groups the rollout uses, it must refuse."""
+    from amem_callbacks.backends.amem import AmemBackend
+
+    init_megatron(args)
+    fake = FakeNccl("amem")
+    os.environ.update(NCCL_CUMEM_ENABLE="1", AMEM_ENABLE="1")
+    backend = AmemBackend(library=fake.library, handle_of=fake.handle_of)
+    controller = controller_for(args, fake, backend=backend)
+    engine = make_engine()
+    engine.resume()
+    drain(engine)
+    paused = fake.controls.lib.fakeAmemPaused()
+    engine.suspend()
+    return {"begin": summary(controller.reports[0][1]), "paused_during": paused,
+            "all_exact": all(exact(e.group, 2.0) for e in controller.plan.entries)}
+
+
+INTERFACE_SOURCE = '''
+"""Stand-in for Megatron-LM's megatron/rl/inference/megatron.py (MegatronLocal)."""
+
+
+class MegatronLocal:
+    def __init__(self, engine, drives_engine):
+        self._inference_engine = engine
+        self.drives_engine = drives_engine
+        self.calls = []
+
+    async def resume(self):
+        self.calls.append("resume")
+        if self.drives_engine:  # 0.17+: RESUME reaches the engine
+            self._inference_engine.resume()
+
+    async def suspend(self):
+        self.calls.append("suspend")
+        if self.drives_engine:  # 0.17+: SUSPEND reaches the engine
+            self._inference_engine.suspend()
+'''
+
+
+def interface_seam(args):
+    """The RL interface is patched when imported after install; with an interface
+    that also drives the engine, each rollout is still one begin and one end."""
+    import importlib
+    import sys
+
+    root = os.path.join(os.environ["AMEM_TEST_OUT"], f"rank{os.environ['RANK']}-pkg")
+    package = os.path.join(root, "megatron", "rl", "inference")
+    os.makedirs(package, exist_ok=True)
+    for folder in (os.path.join(root, "megatron", "rl"), package):
+        open(os.path.join(folder, "__init__.py"), "w").close()
+    with open(os.path.join(package, "megatron.py"), "w") as f:
+        f.write(textwrap.dedent(INTERFACE_SOURCE))
+    init_megatron(args)
+    fake = FakeNccl()
+    controller = controller_for(args, fake)
+    sys.path.insert(0, root)  # megatron is a namespace package: this adds megatron.rl
+    module = importlib.import_module("megatron.rl.inference.megatron")
+    patched = getattr(module.MegatronLocal.resume, "__amem_original__", None) is not None
+    engine = make_engine(suspended=args["drives_engine"])
+    interface = module.MegatronLocal(engine, args["drives_engine"])
+    loop = asyncio.new_event_loop()
+    cycles = []
+    for cycle in range(2):
+        loop.run_until_complete(interface.resume())
+        drain(engine)
+        during = fake.suspended()
+        loop.run_until_complete(interface.suspend())
+        cycles.append({"during": during, "after": fake.suspended(),
+                       "exact": all(exact(e.group, cycle + 2.0) for e in controller.plan.entries)})
+    return {"patched": patched, "cycles": cycles, "via": [v for v, _ in controller.reports],
+            "counters": controller.policy.counters.as_dict(), "calls": interface.calls,
+            "engine_calls": engine.context.calls}
+
+
+def args_provider(args):
+    """No install(): add_args in the parser, the flags in Megatron's global args
+    (megatron.training.global_vars, a stand-in here: PyPI megatron-core lacks it),
+    metrics to Megatron's global writers at args.curr_iteration."""
+    import argparse
+    import sys
+    import types
+
+    from amem_callbacks.adapters.megatron import add_args
+
+    parser = add_args(argparse.ArgumentParser(allow_abbrev=False))
+    parsed = parser.parse_args(["--rl-amem-offload-during-rollout", "--rl-amem-backend", "noop",
+                                "--rl-amem-keep-groups", "world"])
+    parsed.curr_iteration = 7
+    global_vars = types.ModuleType("megatron.training.global_vars")
+    global_vars._GLOBAL_ARGS = parsed
+    global_vars._GLOBAL_TENSORBOARD_WRITER = FakeWriter()
+    init_megatron(args)
+    global_vars._GLOBAL_WANDB_WRITER = FakeWriter() if dist.get_rank() == 1 else None
+    sys.modules["megatron.training.global_vars"] = global_vars
+    from amem_callbacks.adapters.megatron import hooks
+
+    engine = make_engine()
+    engine.resume()
+    drain(engine)
+    engine.suspend()
+    controller = hooks.current_controller()
+    tensorboard, wandb = (global_vars._GLOBAL_TENSORBOARD_WRITER,
+                          global_vars._GLOBAL_WANDB_WRITER)
+    return {"settings": [controller.settings.backend, list(controller.settings.keep)],
+            "reports": [[via, {g.name: g.action for g in r.groups}]
+                        for via, r in controller.reports],
+            "tensorboard_steps": sorted({s for _, _, s in tensorboard.scalars}),
+            "tensorboard_names": len(tensorboard.scalars),
+            "wandb_calls": None if wandb is None else len(wandb.logged)}

@@ -1,0 +1,252 @@
+"""Megatron adapter: the flags, parallel_state roles, and the hooks on the real
+DynamicInferenceEngine class (megatron-core 0.16.1), 2 ranks on gloo, fake NCCL."""
+
+import argparse
+import functools
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.harness import ROOT, free_port, run_ranks
+
+# find_spec, not importorskip: importing megatron.core here would cost seconds
+# in the pytest process; the scenarios import it in their own processes.
+if importlib.util.find_spec("megatron.core") is None:
+    pytest.skip("megatron-core is not installed: pip install 'amem-callbacks[megatron]'",
+                allow_module_level=True)
+
+SCENARIOS = "tests.scenarios_megatron"
+KEPT_IN_PLACE = {"tp", "pp", "mp", "ep", "expert_tp", "tp_ep", "tp_ep_pp", "tp_cp", "embd",
+                 "pos_embd"}
+IDLE_IN_PLACE = {"world", "dp", "dp_cp", "cp", "tp_dp", "tp_dp_cp", "expert_dp", "intra_dist_opt"}
+
+# An RL command line as Megatron-LM's examples write it, plus the new flags.
+RL_COMMAND = ("--perform-rl-step --tensor-model-parallel-size 2 --pipeline-model-parallel-size 1 "
+              "--grpo-group-size 8 --grpo-prompts-per-step 32 --langrl-env-config env.yaml "
+              "--inference-max-requests 64 --rl-amem-offload-during-rollout "
+              "--rl-amem-backend nccl --rl-amem-keep-groups dp,hcp").split()
+
+
+@functools.lru_cache(maxsize=None)
+def _results(name, world, frozen_args):
+    args = {k: list(v) if isinstance(v, tuple) else v for k, v in frozen_args}
+    return tuple(r["result"] for r in run_ranks(f"{SCENARIOS}:{name}", world=world, args=args,
+                                                timeout=180))
+
+
+def results(name, world=2, **args):
+    """Each scenario runs once per session; tests that read it share the result."""
+    frozen = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in args.items()))
+    return _results(name, world, frozen)
+
+
+@pytest.fixture
+def hooks_removed():
+    from amem_callbacks.adapters.megatron import remove_hooks
+
+    yield
+    remove_hooks()
+
+
+def megatron_like_parser():
+    """Built as Megatron's parse_args builds its parser (a stand-in: megatron-core
+    from PyPI has no megatron.training), then the extra_args_provider is applied."""
+    parser = argparse.ArgumentParser(description="Megatron-LM Arguments", allow_abbrev=False)
+    rl = parser.add_argument_group(title="rl")
+    rl.add_argument("--perform-rl-step", action="store_true")
+    rl.add_argument("--grpo-group-size", type=int, default=2)
+    rl.add_argument("--grpo-prompts-per-step", type=int, default=32)
+    rl.add_argument("--langrl-env-config", type=str, default=None)
+    dist = parser.add_argument_group(title="distributed")
+    dist.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    dist.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    return parser
+
+
+def add_inference_args(parser):
+    """What train_rl.py passes as its own extra_args_provider."""
+    parser.add_argument_group(title="inference").add_argument(
+        "--inference-max-requests", type=int, default=8)
+    return parser
+
+
+def parse(argv):
+    from amem_callbacks.adapters.megatron import add_args, chain
+
+    provider = chain(add_inference_args, add_args)
+    return provider(megatron_like_parser()).parse_args(argv)
+
+
+def test_flags_parse_in_a_megatron_parser_chained_with_another_provider(hooks_removed):
+    from amem_callbacks.adapters.megatron import Settings, settings_from_args
+
+    args = parse(RL_COMMAND)
+    assert args.tensor_model_parallel_size == 2 and args.inference_max_requests == 64
+    settings = settings_from_args(args)
+    # hcp is Megatron's ProcessGroupCollection spelling of hierarchical_cp
+    assert settings == Settings(enabled=True, backend="nccl", keep=("dp", "hierarchical_cp"))
+    off = settings_from_args(parse([]))
+    assert off == Settings() and not off.enabled
+
+
+@pytest.mark.parametrize("flag,value,expected", [
+    ("--rl-amem-backend", "foo", "choose from 'auto', 'nccl', 'amem', 'noop'"),
+    ("--rl-amem-keep-groups", "tp,bogus", "unknown group role(s) 'bogus': choose from cp, dp,"),
+    ("--rl-amem-group-id", "-1", "must be an integer >= 0"),
+])
+def test_an_invalid_value_fails_at_parsing_with_the_choices(hooks_removed, capsys, flag, value,
+                                                            expected):
+    with pytest.raises(SystemExit) as exit_info:
+        parse(["--rl-amem-offload-during-rollout", flag, value])
+    assert exit_info.value.code == 2
+    assert expected in capsys.readouterr().err
+
+
+def test_group_id_without_amem_is_ignored_with_a_warning(hooks_removed, caplog):
+    from amem_callbacks.adapters.megatron import settings_from_args
+
+    settings = settings_from_args(parse(["--rl-amem-offload-during-rollout",
+                                         "--rl-amem-backend", "nccl", "--rl-amem-group-id", "3"]))
+    assert settings.group_id is None and "applies to --rl-amem-backend amem" in caplog.text
+    amem = settings_from_args(parse(["--rl-amem-offload-during-rollout", "--rl-amem-backend",
+                                     "amem", "--rl-amem-group-id", "3"]))
+    assert amem.backend_options() == {"amem": {"group_id": 3}}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_parallel_state_groups_are_named_by_role(tp):
+    for rank, res in enumerate(results("engine_cycle", tp=tp, cycles=2)):
+        entries = {e["name"]: e for e in res["entries"]}
+        assert res["mode"] == "in-place" and res["gloo_twins_left_out"]
+        assert set(entries) == KEPT_IN_PLACE | IDLE_IN_PLACE
+        assert sorted(entries) == res["discovered_names"]  # what reports and keep= see
+        assert {n for n, e in entries.items() if e["keep"]} == KEPT_IN_PLACE
+        assert "intra_dp_cp" in entries["dp_cp"]["roles"]  # one object, two roles
+        assert "intra_expert_dp" in entries["expert_dp"]["roles"]
+        assert entries["world"]["ranks"] == [0, 1]
+        assert entries["tp"]["ranks"] == ([0, 1] if tp == 2 else [rank])
+        assert entries["dp"]["ranks"] == ([rank] if tp == 2 else [0, 1])
+        assert entries["dp"]["desc"] == "DATA_PARALLEL_GROUP"
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_engine_resume_suspends_idle_groups_and_suspend_restores_them(tp):
+    for res in results("engine_cycle", tp=tp, cycles=2):
+        assert res["hooked"] == [True, True] and res["mode"] == "in-place"
+        assert set(res["kept"]) == KEPT_IN_PLACE
+        for n, cycle in enumerate(res["cycles"]):
+            assert cycle["via"] == ["DynamicInferenceEngine.resume",
+                                    "DynamicInferenceEngine.suspend"]
+            assert {g for g, s in cycle["during"].items() if s} == IDLE_IN_PLACE
+            assert cycle["still"] == cycle["during"]  # kept groups ran without resuming any
+            assert not any(cycle["after"].values())
+            assert cycle["kept_exact"] and cycle["all_exact"]
+            assert cycle["begins_after_second_resume"] == n + 1  # no begin on a running engine
+        assert res["counters"]["amem/total/begins"] == res["counters"]["amem/total/ends"] == 2
+        # the engine's own resume/suspend bodies ran around the hooks
+        assert res["context_calls"]["allocate_all_tensors"] == 2
+        assert res["context_calls"]["deallocate_all_tensors"] == 2
+
+
+def test_metrics_go_to_tensorboard_and_wandb_writers():
+    for res in results("engine_cycle", tp=1, cycles=2):
+        names = res["tensorboard_names"]
+        assert all(name.startswith("amem/") for name in names)
+        for name in ("amem/begin/groups_suspended", "amem/end/groups_resumed",
+                     "amem/begin/group/dp/bytes", "amem/total/begins"):
+            assert name in names
+        assert res["wandb_calls"] == 4  # begin and end, two rollouts
+        assert res["wandb_first"]["amem/begin/groups_suspended"] == len(IDLE_IN_PLACE)
+
+
+def test_keep_groups_flag_keeps_those_groups_active():
+    for res in results("engine_cycle", keep=["dp", "world"], cycles=1):
+        during = res["cycles"][0]["during"]
+        assert during["dp"] is False and during["world"] is False and during["dp_cp"] is True
+        assert res["cycles"][0]["all_exact"]
+
+
+def test_separate_inference_model_leaves_every_training_group_idle():
+    for res in results("separate_engine"):
+        assert res["mode"] == "separate"
+        during = res["during"]
+        assert during.pop("inference_tp") is False and during.pop("inference_pp") is False
+        assert all(during.values()) and {"tp", "pp", "mp", "ep"} <= set(during)
+        assert res["inference_ok"] and res["all_exact"] and not any(res["after"].values())
+
+
+def test_amem_refuses_while_inference_uses_groups_of_the_process():
+    for res in results("amem_in_place"):
+        assert res["paused_during"] == 0 and res["all_exact"]
+        assert "cannot keep" in res["begin"]["groups"]["dp"][1]
+
+
+@pytest.mark.parametrize("drives_engine", [False, True])
+def test_rl_interface_hook_brackets_each_rollout_once(drives_engine):
+    # False: Megatron-LM at core_v0.16.1 (interface pauses the engines only);
+    # True: 0.17+ (interface makes the engine suspend and resume as well).
+    for res in results("interface_seam", drives_engine=drives_engine):
+        assert res["patched"]
+        end_via = "DynamicInferenceEngine.suspend" if drives_engine else "MegatronLocal.suspend"
+        assert res["via"] == ["MegatronLocal.resume", end_via] * 2
+        assert res["counters"]["amem/total/begins"] == res["counters"]["amem/total/ends"] == 2
+        for cycle in res["cycles"]:
+            assert {g for g, s in cycle["during"].items() if s} == IDLE_IN_PLACE
+            assert not any(cycle["after"].values()) and cycle["exact"]
+        calls = 2 if drives_engine else 0
+        assert res["engine_calls"]["allocate_all_tensors"] == calls
+
+
+def launcher(*argv, env=None, timeout=60):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               **(env or {}))
+    return subprocess.Popen([sys.executable, "-m", "amem_callbacks.adapters.megatron", *argv],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def test_launcher_rejects_an_invalid_value_before_running_the_script():
+    proc = launcher("tests/megatron_launch_target.py", "--rl-amem-backend", "nccl2")
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    assert "invalid choice: 'nccl2' (choose from 'auto', 'nccl', 'amem', 'noop')" in out
+
+
+def test_launcher_runs_a_script_with_the_flags_and_hooks(tmp_path):
+    port = str(free_port())
+    argv = ["tests/megatron_launch_target.py", "--tensor-model-parallel-size", "1",
+            "--rl-amem-offload-during-rollout", "--perform-rl-step", "--rl-amem-backend", "noop",
+            "--rl-amem-keep-groups", "dp,world", "--grpo-group-size", "4", "--out", str(tmp_path)]
+    procs = [launcher(*argv, env=dict(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
+                                      MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+             for r in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    for rank, out in enumerate(outs):
+        res = json.load(open(tmp_path / f"rank{rank}.json"))
+        assert res["script_args"]["grpo_group_size"] == 4  # the script got its own flags
+        assert res["settings"] == {"enabled": True, "backend": "noop", "keep": ["dp", "world"],
+                                   "group_id": None}
+        kinds = [(via, kind) for via, kind, _ in res["reports"]]
+        assert kinds == [("DynamicInferenceEngine.resume", "begin"),
+                         ("DynamicInferenceEngine.suspend", "end")] * 2
+        begin = res["reports"][0][2]
+        assert begin["dp"] == begin["world"] == begin["tp"] == "kept"
+        assert begin["dp_cp"] == begin["expert_dp"] == "would suspend"
+        assert f"[rank {rank}] amem_callbacks: rollout begin at DynamicInferenceEngine.resume: "\
+               "begin('rollout') via noop: would suspend" in out
+
+
+def test_add_args_alone_reads_megatrons_global_args_and_writers():
+    for rank, res in enumerate(results("args_provider")):
+        assert res["settings"] == ["noop", ["world"]]
+        assert [via for via, _ in res["reports"]] == ["DynamicInferenceEngine.resume",
+                                                      "DynamicInferenceEngine.suspend"]
+        begin = res["reports"][0][1]
+        assert begin["world"] == begin["tp"] == "kept" and begin["dp"] == "would suspend"
+        assert res["tensorboard_steps"] == [7] and res["tensorboard_names"] > 0
+        assert res["wandb_calls"] == (2 if rank == 1 else None)
