@@ -469,10 +469,18 @@ def main() -> None:
         from torch.distributed import distributed_c10d as c10d
 
         store = c10d._get_default_store()
-        store.add("amem_test_exit", 1)
-        deadline = time.monotonic() + 30
-        while int(store.add("amem_test_exit", 0)) < dist.get_world_size() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        world = dist.get_world_size()
+
+        def wait_for(key):
+            deadline = time.monotonic() + 30
+            while int(store.add(key, 0)) < world and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+        store.add("amem_test_exit_a", 1)
+        wait_for("amem_test_exit_a")
+        store.add("amem_test_exit_b", 1)  # rank 0 hosts the store: it leaves last
+        if dist.get_rank() == 0:
+            wait_for("amem_test_exit_b")
         dist.destroy_process_group()
     sys.exit(1 if "error" in result else 0)
 
