@@ -256,22 +256,27 @@ class Transitions:
             rep.action = WOULD_RESUME
         self._mark_active(state)
 
-    def _close_begin(self, report: TransitionReport, work) -> None:
+    def _peer_outcomes(self, work, succeeded: Callable, what: str):
+        """Collective over each group's members: share whether this rank's
+        operation succeeded; yield ``(state, report, failed_ranks)`` per group."""
         outcomes = self.agreement.exchange(
-            {s.info.key: (s.info.ranks, "ok" if s.status == SUSPENDED_STATE else "failed")
-             for s, _rep, _done in work})
+            {s.info.key: (s.info.ranks, "ok" if succeeded(s) else "failed") for s, _r, _d in work})
         for state, rep, _done in work:
             peers = outcomes.get(state.info.key, {})
-            failed = [r for r, v in peers.items() if v == "failed"]
             missing = [r for r, v in peers.items() if v is None]
+            if missing:
+                logger.warning("amem_callbacks: rank(s) %s did not report %s group %r within "
+                               "%g s", missing, what, state.info.name, self.agreement.timeout_s)
+            yield state, rep, [r for r, v in peers.items() if v == "failed"]
+
+    def _close_begin(self, report: TransitionReport, work) -> None:
+        for state, rep, failed in self._peer_outcomes(
+                work, lambda s: s.status == SUSPENDED_STATE, "suspending"):
             if failed and state.status == SUSPENDED_STATE:
                 # Ranks must agree on the state: undo ours so the group is active everywhere.
                 self._resume_or_break(state, rep)
                 rep.action = FAILED
                 rep.reason = f"rank(s) {failed} failed to suspend it; resumed here too"
-            elif missing:
-                logger.warning("amem_callbacks: rank(s) %s did not report on group %r within "
-                               "%g s", missing, state.info.name, self.agreement.timeout_s)
             report.groups.append(rep)
 
     # --- end -------------------------------------------------------------
@@ -291,21 +296,13 @@ class Transitions:
                                                         self._close_end), "end transition")
 
     def _close_end(self, report: TransitionReport, work) -> None:
-        outcomes = self.agreement.exchange(
-            {s.info.key: (s.info.ranks, "failed" if s.status == BROKEN else "ok")
-             for s, _rep, _done in work})
-        for state, rep, _done in work:
-            peers = outcomes.get(state.info.key, {})
-            failed = [r for r, v in peers.items() if v == "failed"]
-            missing = [r for r, v in peers.items() if v is None]
+        for state, rep, failed in self._peer_outcomes(
+                work, lambda s: s.status != BROKEN, "resuming"):
             if failed and state.status != BROKEN:
                 # Unusable on a peer: a call here would wait for it forever, so raise instead.
                 self._watch_again(state)
                 rep.action = FAILED
                 self._mark_broken(state, rep, f"rank(s) {failed} could not resume it")
-            elif missing:
-                logger.warning("amem_callbacks: rank(s) %s did not report resuming group %r "
-                               "within %g s", missing, state.info.name, self.agreement.timeout_s)
             report.groups.append(rep)
 
     # --- state helpers ---------------------------------------------------

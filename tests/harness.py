@@ -48,8 +48,12 @@ def run_ranks(scenario: str, world: int = 2, timeout: float = 90.0, args: dict =
                         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                         AMEM_TEST_OUT=out_dir, PYTHONPATH=ROOT + os.pathsep + rank_env.get("PYTHONPATH", ""))
         log = open(os.path.join(out_dir, f"rank{rank}.log"), "w")
+        command = [sys.executable, "-m", "tests.scenarios", scenario, json.dumps(args or {})]
+        if os.environ.get("AMEM_TEST_GDB"):  # debugging aid: native stacks of every thread on a crash
+            command = ["gdb", "-q", "-batch", "-ex", "handle SIGPIPE nostop noprint", "-ex", "run",
+                       "-ex", "thread apply all bt 12", "--args"] + command
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "tests.scenarios", scenario, json.dumps(args or {})],
+            command,
             cwd=ROOT, env=rank_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
     deadline = time.monotonic() + timeout
     hung = False

@@ -448,6 +448,9 @@ def interleave(args):
 
 
 def main() -> None:
+    import faulthandler
+
+    faulthandler.enable()  # a crash prints every thread's Python stack into the rank log
     name, args = sys.argv[1], json.loads(sys.argv[2])
     logging.basicConfig(level=logging.INFO, format=f"[rank {os.environ['RANK']}] %(message)s")
     out_path = os.path.join(os.environ["AMEM_TEST_OUT"], f"rank{os.environ['RANK']}.json")
@@ -465,7 +468,7 @@ def main() -> None:
     with open(out_path, "w") as f:
         json.dump(result, f, default=str)
     if dist.is_initialized():
-        # Leave together: gloo can abort a process whose peer tore down first.
+        # Leave together: rank 0 hosts the store, so it goes last.
         from torch.distributed import distributed_c10d as c10d
 
         store = c10d._get_default_store()
@@ -478,11 +481,16 @@ def main() -> None:
 
         store.add("amem_test_exit_a", 1)
         wait_for("amem_test_exit_a")
-        store.add("amem_test_exit_b", 1)  # rank 0 hosts the store: it leaves last
+        store.add("amem_test_exit_b", 1)
         if dist.get_rank() == 0:
             wait_for("amem_test_exit_b")
-        dist.destroy_process_group()
-    sys.exit(1 if "error" in result else 0)
+    # The result is written. Skip interpreter teardown: about 1 in 40 multi-rank
+    # runs here aborted after this point ("terminate called without an active
+    # exception", no Python frame left), which would make a finished scenario
+    # look failed. Not yet explained; see the closing notes.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1 if "error" in result else 0)
 
 
 if __name__ == "__main__":
