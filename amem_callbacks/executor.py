@@ -41,7 +41,7 @@ class Task:
         if not self._done.wait(timeout_s):
             raise TransitionTimeout(
                 f"{self.what} did not finish within {timeout_s:g} s: a peer rank is probably "
-                "missing, dead or in a different phase. The communicator's state is unknown; "
+                "missing, dead or in a different phase. The communicators' state is unknown; "
                 "stop the job (every rank must call begin/end in the same order).")
         if self._error is not None:
             raise self._error

@@ -216,9 +216,16 @@ class OffloadPolicy:
         return report
 
     def _wait_pending(self, timeout_s: Optional[float] = None) -> None:
+        from .errors import TransitionTimeout
+
         task, self._pending = self._pending, None
-        if task is not None:
-            task.wait(timeout_s or self.timeout_s or 1800.0)
+        if task is None:
+            return
+        try:
+            task.wait(timeout_s or self.timeout_s or self._engine.longest_timeout_s())
+        except TransitionTimeout as exc:
+            stuck = self._engine.unfinished_groups()
+            raise TransitionTimeout(f"{exc} Groups not finished on this rank: {stuck}.") from None
 
     def _skipped(self, phase: str, kind: str, why: str) -> TransitionReport:
         report = TransitionReport(phase=phase, kind=kind,

@@ -332,9 +332,13 @@ class Transitions:
         logger.error("amem_callbacks: group %r is in an unknown state (%s); calls on it will "
                      "raise. Restart the job.", state.info.name, why)
 
-    def wait_idle(self, timeout_s: float) -> None:
-        """Block until every queued batch has run (raises on timeout)."""
-        self.executor.submit(lambda: None, "waiting for pending transitions").wait(timeout_s)
+    def unfinished_groups(self) -> list:
+        """Names of the groups whose latest queued operation has not finished."""
+        return [s.info.name for _k, s in sorted(self.states.items()) if not s.pending.is_set()]
+
+    def longest_timeout_s(self) -> float:
+        """A batch may take as long as its slowest group's c10d timeout."""
+        return max((s.timeout_s for s in self.states.values()), default=self.timeout_s or 1800.0)
 
     # --- what the guard asks ---------------------------------------------
     def _state_of(self, group) -> Optional[GroupState]:

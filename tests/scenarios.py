@@ -474,8 +474,8 @@ def main() -> None:
         store = c10d._get_default_store()
         world = dist.get_world_size()
 
-        def wait_for(key):
-            deadline = time.monotonic() + 30
+        def wait_for(key):  # bounded: a scenario may have a dead rank on purpose
+            deadline = time.monotonic() + 10
             while int(store.add(key, 0)) < world and time.monotonic() < deadline:
                 time.sleep(0.01)
 
