@@ -74,14 +74,6 @@ def unwatch(group) -> None:
         uninstall()
 
 
-def watched() -> dict:
-    return dict(_guarded)
-
-
-def is_installed() -> bool:
-    return bool(_originals)
-
-
 def _group_argument(args, kwargs, position, name):
     if name in kwargs:
         return kwargs[name]
