@@ -15,7 +15,11 @@ logger = logging.getLogger("amem_callbacks")
 
 GUARD_MODES = ("resume", "strict", "off")
 DEFAULT_MIN_BYTES = 16 * 2**20
-DEFAULT_WORKERS = 4
+# One thread by default. 4 measured faster on 2xH200 with 8 groups (suspend 2.57 s
+# vs 2.96 s, resume 1.40 s vs 2.10 s), but those runs also showed the stray CUDA
+# context on GPU 0 that worker threads now avoid (Transitions._bind_device); the
+# faster setting becomes the default once a GPU run confirms it after that fix.
+DEFAULT_WORKERS = 1
 
 
 class OffloadPolicy:
@@ -38,7 +42,7 @@ class OffloadPolicy:
             the background; a call on a group waits for it (via the guard).
         workers: threads that suspend/resume the groups of one transition
             concurrently (each communicator has its own barrier). 4 measured
-            best on 2xH200 with 8 groups: suspend 2.57 s vs 2.96 s with 1,
+            fastest on 2xH200 with 8 groups: suspend 2.57 s vs 2.96 s with 1,
             resume 1.40 s vs 2.10 s (results/bench_r2.json).
         timeout_s: longest wait for one suspend/resume; default: the group's
             c10d timeout.

@@ -149,7 +149,18 @@ class Transitions:
         return states
 
     # --- running a batch -------------------------------------------------
+    def _bind_device(self) -> None:
+        """Make the caller's GPU current in this worker thread before any CUDA or
+        NCCL call. A new thread starts on device 0: an NCCL or CUDA call there
+        made every other rank create a CUDA context on GPU 0 (measured: ~535 MiB
+        of GPU 0 gone for good, seen as a freed fraction of 0.86 on rank 0)."""
+        if self.device is not None:
+            import torch
+
+            torch.cuda.set_device(self.device)
+
     def _batch(self, report: TransitionReport, work, op: Callable, close: Callable):
+        self._bind_device()
         self._measure(report, "before")
         if self.workers <= 1 or len(work) <= 1:
             for item in work:
@@ -177,6 +188,7 @@ class Transitions:
         lock = threading.Lock()
 
         def take_in_key_order():
+            self._bind_device()
             while True:
                 with lock:
                     item = next(queue, None)
@@ -394,8 +406,11 @@ class Transitions:
                             suspendable=state.suspendable)
         state.resume_queued = True
         state.pending = done = threading.Event()
-        task = self.executor.submit(lambda: self._run_op(self._resume, state, rep, done),
-                                    f"resume of {name!r}")
+        def resume_now():
+            self._bind_device()
+            self._run_op(self._resume, state, rep, done)
+
+        task = self.executor.submit(resume_now, f"resume of {name!r}")
         task.wait(state.timeout_s)
         self.counters.auto_resumes += 1
         self.auto_resumed.append(rep)
