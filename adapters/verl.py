@@ -38,13 +38,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import importlib.abc
 import inspect
 import logging
-import sys
 import threading
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
+
+from ._after_import import when_imported
 
 logger = logging.getLogger("amem_callbacks")
 
@@ -471,6 +471,8 @@ def _patch_rollout_config(module) -> None:
     _wrap(module.RolloutConfig, "__post_init__", _check_config_after)
 
 
+_installed = False
+
 PATCHES = {
     "verl.workers.engine_workers": _patch_engine_workers,
     "verl.checkpoint_engine.base": _patch_checkpoint_engine,
@@ -487,53 +489,18 @@ def _apply(name: str, module) -> None:
         logger.error("amem_callbacks: could not hook %s (this verl is not 0.9.1?): %r", name, exc)
 
 
-class _PatchingLoader(importlib.abc.Loader):
-    """Runs the real loader, then wraps the module's classes."""
-
-    def __init__(self, loader, name: str):
-        self._loader = loader
-        self._name = name
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module):
-        self._loader.exec_module(module)
-        _apply(self._name, module)
-
-    def __getattr__(self, attr):  # get_source, get_code, is_package ... of the real loader
-        return getattr(self._loader, attr)
-
-
-class _Finder(importlib.abc.MetaPathFinder):
-    """Hands the verl modules we wrap to ``_PatchingLoader``; all others pass by."""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname not in PATCHES:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _PatchingLoader(spec.loader, fullname)
-                return spec
-        return None
-
-
 def install() -> None:
     """Wrap the verl classes now if loaded, else as soon as verl loads them.
 
     Runs when this module is imported (by the entry point or ``external_lib``);
     calling it again does nothing.
     """
-    if not any(isinstance(f, _Finder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _Finder())
+    global _installed
+    if _installed:
+        return
+    _installed = True
     for name in PATCHES:
-        module = sys.modules.get(name)
-        if module is not None:
-            _apply(name, module)
+        when_imported(name, lambda module, name=name: _apply(name, module))
 
 
 install()

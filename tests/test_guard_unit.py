@@ -4,7 +4,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 
 SCRIPT = r"""
 import inspect, os, torch, torch.distributed as dist

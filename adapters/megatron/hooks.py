@@ -29,6 +29,8 @@ import logging
 import sys
 import threading
 
+from .._after_import import forget, when_imported
+
 logger = logging.getLogger("amem_callbacks")
 
 ENGINE_MODULE = "megatron.core.inference.engines.dynamic_engine"
@@ -173,63 +175,6 @@ def _patch_module(class_name, patch):
     return action
 
 
-# --- run an action when a module is first imported ------------------------
-class _Loader:
-    """Delegates to the real loader; runs the actions after the module ran."""
-
-    def __init__(self, loader, actions):
-        self._loader = loader
-        self._actions = actions
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module):
-        self._loader.exec_module(module)
-        for action in self._actions:
-            action(module)
-
-    def __getattr__(self, name):
-        return getattr(self._loader, name)
-
-
-class _AfterImport:
-    """A ``sys.meta_path`` finder that only wraps the loader of watched modules."""
-
-    def __init__(self):
-        self.pending = {}
-
-    def find_spec(self, name, path=None, target=None):
-        if name not in self.pending:
-            return None
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None)
-            if finder is self or find is None:
-                continue
-            spec = find(name, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            spec.loader = _Loader(spec.loader, self.pending.pop(name))
-        return spec
-
-
-_finder = _AfterImport()
-
-
-def when_imported(name: str, action) -> None:
-    """Run ``action(module)`` now if ``name`` is imported, else right after its import."""
-    module = sys.modules.get(name)
-    if module is not None:
-        action(module)
-        return
-    _finder.pending.setdefault(name, []).append(action)
-    if _finder not in sys.meta_path:
-        sys.meta_path.insert(0, _finder)
-
-
 def install_hooks() -> None:
     """Patch the engine and the RL interface now or when they are imported (idempotent)."""
     global _installed
@@ -248,8 +193,6 @@ def remove_hooks() -> None:
         while _patched:
             cls, name, original = _patched.pop()
             setattr(cls, name, original)
-        _finder.pending.clear()
-        if _finder in sys.meta_path:
-            sys.meta_path.remove(_finder)
+        forget((ENGINE_MODULE, INTERFACE_MODULE))
         _installed = False
     set_controller(None)
