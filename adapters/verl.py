@@ -142,11 +142,19 @@ def _plain(value):
 
 def make_policy(settings: AmemSettings):
     """Build the worker's OffloadPolicy (replace this function to customise it,
-    e.g. tests put a fake NCCL behind it)."""
+    e.g. tests put a fake NCCL behind it).
+
+    Called on the thread verl runs the worker method on, so its current CUDA
+    device is the one verl uses; the suspend itself later runs on a pool
+    thread (``asyncio.to_thread``) that starts on GPU 0.
+    """
+    import torch
+
     from amem_callbacks import OffloadPolicy
 
+    device = torch.cuda.current_device() if torch.cuda.is_available() else None
     return OffloadPolicy(backend=settings.backend, keep=list(settings.keep),
-                         guard=settings.guard, overlap=settings.overlap)
+                         guard=settings.guard, overlap=settings.overlap, device=device)
 
 
 # --- the training-worker side ---------------------------------------------
@@ -193,7 +201,9 @@ class WorkerSession:
             self._early_error = exc
 
     def resume(self) -> None:
-        """Collective: end the phase (unless done); without overlap, wait for it."""
+        """Collective: end the phase (unless done) and wait until every group is
+        back, even with overlap: the next call may run collectives the guard
+        cannot see (DTensor ``full_tensor`` in the FSDP engine)."""
         with self._lock:
             early, self._early = self._early, None
         if early is not None:
@@ -204,8 +214,7 @@ class WorkerSession:
         with self._lock:
             if self.policy.active_phase is not None:
                 self._remember(self.policy.end(PHASE))
-        if not self.settings.overlap:
-            self.policy.wait()
+        self.policy.wait()
 
     def metrics(self) -> dict:
         """Totals plus the last finished begin and end, as flat ``amem/...`` numbers."""

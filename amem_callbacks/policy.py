@@ -53,6 +53,9 @@ class OffloadPolicy:
         groups: consider only these process groups (default: all).
         backend_options: per-backend keyword arguments, e.g.
             ``{"amem": {"library_path": "...", "group_id": 1}}``.
+        device: the CUDA device index this rank's communicators live on;
+            default: the current device of the thread that calls the first
+            ``begin`` (pass it when that thread is not the training thread).
 
     Example:
         >>> policy = OffloadPolicy(keep=["tp"])
@@ -65,7 +68,8 @@ class OffloadPolicy:
                  min_bytes: int = DEFAULT_MIN_BYTES, guard: str = "resume",
                  overlap: bool = False, workers: int = DEFAULT_WORKERS, timeout_s: Optional[float] = None,
                  agree_timeout_s: float = 120.0, host_memory_cap_bytes: Optional[int] = None,
-                 groups: Optional[Iterable] = None, backend_options: Optional[dict] = None):
+                 groups: Optional[Iterable] = None, backend_options: Optional[dict] = None,
+                 device: Optional[int] = None):
         if isinstance(backend, str):
             validate_backend_name(backend)
         elif not all(hasattr(backend, a) for a in ("check", "suspend", "resume", "communicator")):
@@ -81,6 +85,8 @@ class OffloadPolicy:
         if host_memory_cap_bytes is not None:
             _check_number("host_memory_cap_bytes", host_memory_cap_bytes, minimum=0,
                           integer=True)
+        if device is not None:
+            _check_number("device", device, minimum=0, integer=True)
         if not isinstance(overlap, bool):
             raise ValueError(f"overlap must be True or False, got {overlap!r}")
         if backend_options is not None and not isinstance(backend_options, dict):
@@ -96,6 +102,7 @@ class OffloadPolicy:
         self.guard_mode = guard
         self.overlap = overlap
         self.workers = workers
+        self.device = device
         self.timeout_s = timeout_s
         self.agree_timeout_s = agree_timeout_s
         self.host_memory_cap_bytes = host_memory_cap_bytes
@@ -262,7 +269,8 @@ class OffloadPolicy:
             self.backend_description = reason_of(agreed)
             return
         self.backend_description = description
-        self._engine = Transitions(backend, agreement, current_device(), self.timeout_s,
+        device = self.device if self.device is not None else current_device()
+        self._engine = Transitions(backend, agreement, device, self.timeout_s,
                                    self.counters, workers=self.workers,
                                    strict=self.guard_mode == "strict",
                                    guarded=self.guard_mode != "off")

@@ -21,6 +21,8 @@ from amem_callbacks import OffloadPolicy
     ({"timeout_s": True}, "timeout_s must be a number > 0"),
     ({"host_memory_cap_bytes": -5}, "host_memory_cap_bytes must be an integer >= 0"),
     ({"overlap": "yes"}, "overlap must be True or False"),
+    ({"device": -1}, "device must be an integer >= 0"),
+    ({"workers": 0}, "workers must be an integer >= 1"),
     ({"backend_options": {"ncc": {}}}, "backend_options has unknown backends ['ncc']"),
 ])
 def test_bad_input_names_the_valid_choices(kwargs, message):

@@ -63,17 +63,23 @@ class RolloutOffload:
                                "and Megatron's parallel_state were initialized; nothing "
                                "offloaded", via)
             return None
-        self.active = True
         if self.policy is None:
             self._setup(engine)
-        return self._record(self.policy.begin(PHASE), via)
+        self.active = True
+        report = self.policy.begin(PHASE)
+        # Even with overlap: the engine allocates its KV cache right after this.
+        self.policy.wait()
+        return self._record(report, via)
 
     def rollout_end(self, engine=None, via: str = ""):
         """Collective over all ranks: resume what ``rollout_begin`` suspended."""
         if not self.active:
             return None
         self.active = False
-        return self._record(self.policy.end(PHASE), via)
+        report = self.policy.end(PHASE)
+        # Training follows; its DDP and optimizer collectives may bypass the guard.
+        self.policy.wait()
+        return self._record(report, via)
 
     def _setup(self, engine) -> None:
         from amem_callbacks import OffloadPolicy
