@@ -16,8 +16,9 @@ Figures, all ratios of this run's own measurements:
     P1  device bytes freed / NCCL's suspendable bytes
     P2  extra step time with overlap / with naive
     P2b begin -> memory actually free, overlap / naive
-    P3  small-collective loop on the kept group while others are suspended
-        (guard in place) / with nothing suspended (no guard)
+    P3  small-collective loop on the kept group while others are suspended:
+        guard in place / torch's own functions, same state (the loop with
+        nothing suspended is reported beside it as P3_state)
     P4  all-reduce bus bandwidth after the cycles / before
     recreate_over_overlap  extra step time of recreate / of overlap
 """
@@ -144,12 +145,16 @@ class Loop:
                 self.a = self.torch.tanh(self.a @ self.a / 64)
             self.synchronize()
 
-    def train(self) -> None:
+    def train(self) -> float:
+        """Returns the seconds spent in the collectives after the compute: where
+        a resume that has not finished yet shows up (the guard waits there)."""
         self.compute(self.args.train_s)
+        start = time.perf_counter()
         self.dist.all_reduce(self.grad, group=self.groups.get("dp", self.dist.group.WORLD))
         for group in self.all_groups():
             self.dist.all_reduce(self.small, group=group)
         self.synchronize()
+        return time.perf_counter() - start
 
     def rollout(self) -> None:
         self.compute(self.args.rollout_s)
@@ -168,20 +173,23 @@ class Loop:
             name_group(self.groups[name], name)
             self.dist.all_reduce(self.small, group=self.groups[name])  # creates the comm
 
-    def bus_bandwidth(self) -> float:
-        """All-reduce bus bandwidth (GB/s) on dp, NCCL's definition."""
+    def bus_bandwidth(self, windows: int = 7, iters: int = 20) -> float:
+        """All-reduce bus bandwidth (GB/s) on dp, NCCL's definition; the median
+        of several timed windows, so one slow window does not decide P4."""
         torch = self.torch
         group = self.groups.get("dp", self.dist.group.WORLD)
         x = torch.ones((256 if self.use_cuda else 4) * 2**18, device=self.device)
-        for _ in range(3):
+        for _ in range(5):
             self.dist.all_reduce(x, group=group)
-        self.synchronize()
-        iters = 10
-        start = time.perf_counter()
-        for _ in range(iters):
-            self.dist.all_reduce(x, group=group)
-        self.synchronize()
-        seconds = (time.perf_counter() - start) / iters
+        per_call = []
+        for _ in range(windows):
+            self.synchronize()
+            start = time.perf_counter()
+            for _ in range(iters):
+                self.dist.all_reduce(x, group=group)
+            self.synchronize()
+            per_call.append((time.perf_counter() - start) / iters)
+        seconds = statistics.median(per_call)
         return x.numel() * x.element_size() / seconds * 2 * (self.world - 1) / self.world / 1e9
 
     def small_loop(self, n: int) -> float:
@@ -193,8 +201,10 @@ class Loop:
         return time.perf_counter() - start
 
 
-def _run_mode(loop: Loop, mode: str, policy, sampler, progress, reports: dict) -> list:
-    steps = []
+def _run_mode(loop: Loop, mode: str, policy, sampler, progress, reports: dict) -> tuple:
+    """Step times, and per step where the time went on the caller's thread:
+    begin call, rollout, end call, training collectives (compute is fixed)."""
+    steps, parts = [], []
     for step in range(loop.args.steps):
         loop.dist.barrier(group=loop.sync)
         loop.synchronize()
@@ -204,19 +214,24 @@ def _run_mode(loop: Loop, mode: str, policy, sampler, progress, reports: dict) -
             loop.destroy_groups()
         elif policy is not None:
             reports.setdefault("begin", []).append(policy.begin("rollout"))
+        begun = time.perf_counter()
         loop.rollout()
+        rolled = time.perf_counter()
         sampler.phase = f"{mode}:train"
         if mode == "recreate":
             loop.recreate_groups()
         elif policy is not None:
             reports.setdefault("end", []).append(policy.end("rollout"))
-        loop.train()
+        ended = time.perf_counter()
+        collectives = loop.train()
         steps.append(time.perf_counter() - start)
+        parts.append({"begin_call": begun - start, "rollout": rolled - begun,
+                      "end_call": ended - rolled, "train_collectives": collectives})
         progress.step(f"{mode} step {step + 1}/{loop.args.steps}")
     if policy is not None:
         policy.wait()
     sampler.phase = "idle"
-    return steps
+    return steps, parts
 
 
 def _sweep(loop: Loop, backend: str, progress) -> dict:
@@ -238,22 +253,46 @@ def _sweep(loop: Loop, backend: str, progress) -> dict:
     return out
 
 
-def _guard_overhead(loop: Loop, backend: str, n: int, rounds: int = 3) -> dict:
-    """The kept group's small-collective loop while the other groups are
-    suspended (the guard is in place and looks every call up) against the same
-    loop with nothing suspended (torch's own functions, no guard)."""
-    from amem_callbacks import OffloadPolicy
+def _guard_overhead(loop: Loop, backend: str, n: int, pairs: int = 24) -> dict:
+    """P3: the kept group's small-collective loop while the other groups are
+    suspended, with the guard in place (every call looked up) against the very
+    same state with torch's own functions put back. Lifting the guard is safe
+    here: the loop only uses the kept group.
 
+    The loop is CPU-bound and its per-call time drifts by several per cent
+    within seconds, more than the guard costs; so the two sides alternate in
+    short blocks (``n / pairs`` calls), which flips first in every other pair,
+    and P3 is the median of the per-pair ratios. Both ranks run the same
+    sequence, so their collectives stay matched. The same loop with nothing
+    suspended is reported too: what suspended communicators cost NCCL itself."""
+    from amem_callbacks import OffloadPolicy, guard
+
+    block = max(1, n // pairs)
     policy = OffloadPolicy(backend=backend, keep=["tp"], groups=loop.all_groups())
-    with_guard, without = [], []
-    for _ in range(rounds):
-        loop.dist.barrier(group=loop.sync)
-        policy.begin("rollout")
-        with_guard.append(loop.small_loop(n))
-        policy.end("rollout")
-        without.append(loop.small_loop(n))
-    return {"with_s": statistics.median(with_guard), "without_s": statistics.median(without),
-            "calls": n, "rounds": rounds}
+    loop.small_loop(block * 4)  # warm-up
+    loop.dist.barrier(group=loop.sync)
+    policy.begin("rollout")
+    ratios, with_guard, without = [], [], []
+    for i in range(pairs):
+        timed = {}
+        for guarded in ((True, False) if i % 2 == 0 else (False, True)):
+            if not guarded:
+                guard.uninstall()
+            try:
+                timed[guarded] = loop.small_loop(block)
+            finally:
+                if not guarded:
+                    guard.install()
+        ratios.append(timed[True] / timed[False])
+        with_guard.append(timed[True])
+        without.append(timed[False])
+    loop.dist.barrier(group=loop.sync)
+    policy.end("rollout")
+    nothing_suspended = [loop.small_loop(block) for _ in range(pairs)]
+    return {"ratio_median": statistics.median(ratios), "with_s": statistics.median(with_guard),
+            "without_s": statistics.median(without),
+            "nothing_suspended_s": statistics.median(nothing_suspended),
+            "calls_per_block": block, "pairs": pairs}
 
 
 def run_rank(args, rank: int, world: int, use_cuda: bool) -> dict:
@@ -283,8 +322,8 @@ def run_rank(args, rank: int, world: int, use_cuda: bool) -> dict:
                                    workers=workers if mode == "overlap" else 1,
                                    groups=loop.all_groups())
         reports = {}
-        steps = _run_mode(loop, mode, policy, sampler, progress, reports)
-        modes[mode] = {"step_s": steps, "reports": {
+        steps, parts = _run_mode(loop, mode, policy, sampler, progress, reports)
+        modes[mode] = {"step_s": steps, "parts_s": parts, "reports": {
             kind: [_report_row(r) for r in rs] for kind, rs in reports.items()}}
 
     result["modes"] = modes

@@ -13,7 +13,9 @@ MEANING = {
     "P1": "device bytes freed / NCCL suspendable bytes",
     "P2": "extra step time, overlap / naive",
     "P2b": "begin -> memory free, overlap / naive",
-    "P3": "small-collective loop, guard on / off",
+    "P1_overlap": "P1 for the overlapped begins (worker threads)",
+    "P3": "small-collective loop, guard on / off, same state",
+    "P3_state": "that loop, others suspended (no guard) / none suspended",
     "P4": "all-reduce bus bandwidth, after / before",
     "recreate_over_overlap": "extra step time, destroy+recreate / overlap",
 }
@@ -33,15 +35,17 @@ def summarise(raw: dict, args, world: int, dry_run: bool) -> dict:
     mean = {m: _mean_steady(v["step_s"]) for m, v in modes.items()}
     extra = {m: mean[m] - mean["none"] for m in mean} if "none" in mean else {}
     begins = {m: modes[m]["reports"].get("begin", []) for m in ("naive", "overlap") if m in modes}
-    freed = [r["device_freed"] / r["nccl_bytes"] for r in begins.get("naive", [])
-             if r["device_freed"] is not None and r["nccl_bytes"]]
+    freed = {m: [r["device_freed"] / r["nccl_bytes"] for r in rs
+                 if r["device_freed"] is not None and r["nccl_bytes"]] for m, rs in begins.items()}
     free_after = {m: _mean_steady([r["wall_s"] for r in rs]) for m, rs in begins.items() if rs}
     guard = raw.get("guard")
     figures = {
-        "P1": statistics.mean(freed) if freed else None,
+        "P1": statistics.mean(freed["naive"]) if freed.get("naive") else None,
+        "P1_overlap": statistics.mean(freed["overlap"]) if freed.get("overlap") else None,
         "P2": _ratio(extra.get("overlap"), extra.get("naive")),
         "P2b": _ratio(free_after.get("overlap"), free_after.get("naive")),
-        "P3": _ratio(guard["with_s"], guard["without_s"]) if guard else None,
+        "P3": guard["ratio_median"] if guard else None,
+        "P3_state": _ratio(guard["without_s"], guard.get("nothing_suspended_s")) if guard else None,
         "P4": _ratio(raw["bandwidth_after_GBps"], raw["bandwidth_before_GBps"]),
         "recreate_over_overlap": _ratio(extra.get("recreate"), extra.get("overlap")),
     }
@@ -55,7 +59,9 @@ def summarise(raw: dict, args, world: int, dry_run: bool) -> dict:
         "config": {"groups": args.groups, "steps": args.steps, "rollout_s": args.rollout_s,
                    "train_s": args.train_s, "grad_mib": args.grad_mib,
                    "overlap_workers": raw["overlap_workers"], "modes": list(modes)},
-        "mean_step_s": mean, "extra_step_s": extra, "begin_to_memory_free_s": free_after,
+        "mean_step_s": mean, "extra_step_s": extra, "mean_parts_s": {
+            m: {part: _mean_steady([p[part] for p in v["parts_s"]]) for part in v["parts_s"][0]}
+            for m, v in modes.items() if v.get("parts_s")}, "begin_to_memory_free_s": free_after,
         "figures": figures, "goals": {k: f"{op} {g}" for k, (op, g) in GOALS.items()},
         "goal_met": verdicts, "sweep": raw.get("sweep"), "guard": guard,
         "bandwidth_GBps": [raw["bandwidth_before_GBps"], raw["bandwidth_after_GBps"]],

@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="threads per transition in overlap mode (default: best of --sweep)")
     bench.add_argument("--sweep", type=_int_list, default=[1, 2, 4, 8],
                        help="worker counts to time a whole transition with, e.g. 1,4,8")
-    bench.add_argument("--guard-calls", type=_positive_int, default=3000)
+    bench.add_argument("--guard-calls", type=_positive_int, default=12000,
+                       help="small collectives per side for P3, in 24 alternating blocks")
     bench.add_argument("--backend", choices=("nccl", "amem", "noop"), default=None)
     bench.add_argument("--out", default="bench-results")
     return parser

@@ -15,11 +15,11 @@ logger = logging.getLogger("amem_callbacks")
 
 GUARD_MODES = ("resume", "strict", "off")
 DEFAULT_MIN_BYTES = 16 * 2**20
-# One thread by default. 4 measured faster on 2xH200 with 8 groups (suspend 2.57 s
-# vs 2.96 s, resume 1.40 s vs 2.10 s), but those runs also showed the stray CUDA
-# context on GPU 0 that worker threads now avoid (Transitions._bind_device); the
-# faster setting becomes the default once a GPU run confirms it after that fix.
-DEFAULT_WORKERS = 1
+# Measured on 2xH200, 8 groups, after the device-binding fix (results/bench.json):
+# one transition takes suspend 2.88 / 2.42 / 2.48 s and resume 1.89 / 1.44 / 1.36 s
+# with 1 / 4 / 8 threads, and the memory freed by worker threads stays 99.9 % of
+# NCCL's suspendable bytes. More than 4 buys nothing: NCCL's own barriers dominate.
+DEFAULT_WORKERS = 4
 
 
 class OffloadPolicy:
@@ -41,9 +41,8 @@ class OffloadPolicy:
         overlap: ``begin``/``end`` return at once and the transition runs in
             the background; a call on a group waits for it (via the guard).
         workers: threads that suspend/resume the groups of one transition
-            concurrently (each communicator has its own barrier). 4 measured
-            fastest on 2xH200 with 8 groups: suspend 2.57 s vs 2.96 s with 1,
-            resume 1.40 s vs 2.10 s (results/bench_r2.json).
+            concurrently (each communicator has its own barrier); 1 runs them
+            one after another. See DEFAULT_WORKERS for the measurement.
         timeout_s: longest wait for one suspend/resume; default: the group's
             c10d timeout.
         agree_timeout_s: how long members wait for each other to agree on a

@@ -276,9 +276,10 @@ class Transitions:
         for state, rep, _done in work:
             peers = outcomes.get(state.info.key, {})
             missing = [r for r, v in peers.items() if v is None]
-            if missing:
-                logger.warning("amem_callbacks: rank(s) %s did not report %s group %r within "
-                               "%g s", missing, what, state.info.name, self.agreement.timeout_s)
+            if missing:  # in the report too: the next call on this group may fail or hang
+                rep.reason = (f"rank(s) {missing} did not report {what} it within "
+                              f"{self.agreement.timeout_s:g} s (dead or late)")
+                logger.warning("amem_callbacks: group %r: %s", state.info.name, rep.reason)
             yield state, rep, [r for r, v in peers.items() if v == "failed"]
 
     def _close_begin(self, report: TransitionReport, work) -> None:

@@ -38,10 +38,17 @@ def test_report_is_internally_consistent(bench):
                                           / report["extra_step_s"]["naive"])
     assert figures["P2b"] == pytest.approx(report["begin_to_memory_free_s"]["overlap"]
                                            / report["begin_to_memory_free_s"]["naive"])
-    assert figures["P3"] == pytest.approx(report["guard"]["with_s"] / report["guard"]["without_s"])
+    guard = report["guard"]
+    assert figures["P3"] == guard["ratio_median"] and guard["pairs"] >= 8
+    assert min(guard["with_s"], guard["without_s"]) > 0
+    assert figures["P3_state"] == pytest.approx(guard["without_s"] / guard["nothing_suspended_s"])
     before, after = report["bandwidth_GBps"]
     assert figures["P4"] == pytest.approx(after / before)
+    for mode, parts in report["mean_parts_s"].items():  # the parts fit inside the step
+        assert all(v >= 0 for v in parts.values())
+        assert sum(parts.values()) <= report["mean_step_s"][mode]
     assert figures["P1"] is None  # nothing is freed in a dry run: no made-up figure
+    assert figures["P1_overlap"] is None
 
 
 def test_every_step_of_both_policy_modes_moved_the_same_groups(bench):

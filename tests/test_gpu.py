@@ -24,3 +24,12 @@ def test_core_engine_on_real_nccl(tmp_path):
     for rank in range(2):
         result = json.load(open(out.replace(".json", f".rank{rank}.json")))
         assert result["ok"], result["checks"]
+
+
+@pytest.mark.gpu
+def test_reliability_suite_on_real_nccl(tmp_path):
+    out = str(tmp_path / "reliability.json")
+    subprocess.run([sys.executable, os.path.join(ROOT, "tests", "gpu", "reliability_gpu.py"), out],
+                   env=dict(os.environ, PYTHONPATH=ROOT), timeout=1800)
+    result = json.load(open(out))
+    assert result["complete"] and result["ok"], [r for r in result["cases"] if r["ok"] is False]

@@ -20,20 +20,9 @@ import torch.distributed as dist
 from amem_callbacks import OffloadPolicy, name_group
 from amem_callbacks.memory import host_rss_bytes
 from amem_callbacks.nccl_library import NcclLibrary
+from tests.gpu.common import exact_allreduce, free_bytes
 
 MiB = 2**20
-
-
-def exact_allreduce(group, value: float) -> bool:
-    n = dist.get_world_size(group)
-    t = torch.full((1 << 20,), value * (dist.get_rank() + 1), device="cuda")
-    dist.all_reduce(t, group=group)
-    return bool(torch.all(t == value * n * (n + 1) / 2).item())
-
-
-def free_bytes() -> int:
-    torch.cuda.synchronize()
-    return torch.cuda.mem_get_info()[0]
 
 
 def main() -> None:

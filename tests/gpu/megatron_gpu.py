@@ -98,23 +98,6 @@ def make_engine(pg_collection):
     return engine
 
 
-def exact(group, value: float) -> bool:
-    import torch
-    import torch.distributed as dist
-
-    ranks = dist.get_process_group_ranks(group)
-    t = torch.full((1 << 20,), value * (dist.get_rank() + 1), device="cuda")
-    dist.all_reduce(t, group=group)
-    return bool(torch.all(t == value * sum(r + 1 for r in ranks)).item())
-
-
-def free_bytes() -> int:
-    import torch
-
-    torch.cuda.synchronize()
-    return torch.cuda.mem_get_info()[0]
-
-
 def nccl_suspended(controller, entries) -> dict:
     from amem_callbacks.backends.nccl import torch_comm_handle
 
@@ -131,6 +114,7 @@ def worker(config: str, out_dir: str) -> bool:
     import torch.distributed as dist
 
     adapter = import_adapter()
+    from tests.gpu.common import exact_allreduce as exact, free_bytes
     from megatron.core import parallel_state as ps
     from megatron.core.process_groups_config import ProcessGroupCollection
 
