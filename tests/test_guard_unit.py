@@ -50,3 +50,49 @@ def test_guard_wraps_resolves_groups_and_unwraps():
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
                          env=dict(os.environ, PORT=str(free_port())), timeout=120)
     assert out.stdout.strip().endswith("OK"), out.stderr[-3000:]
+
+
+def test_the_fast_wrapper_binds_arguments_exactly_like_the_original():
+    """Every parameter kind torch could use: positional-only, defaults, *args,
+    keyword-only, **kwargs; the group found wherever it is passed; the
+    original's signature and behaviour unchanged."""
+    import inspect
+
+    from amem_callbacks import guard
+
+    def original(tensor, /, op="sum", group=None, *rest, async_op=False, **extra):
+        return (tensor, op, group, rest, async_op, extra)
+
+    seen = []
+
+    class Owner:
+        def _before_use(self, group, kind, call):
+            seen.append((call, kind, group))
+
+    wrapped = guard._wrap(original, guard.COLLECTIVE, "group")
+    assert "amem_callbacks guard" in wrapped.__code__.co_filename  # the fast path was taken
+    assert inspect.signature(wrapped) == inspect.signature(original)
+    calls = [((1,), {}), ((1, "max", "g"), {}), ((1,), {"group": "g", "async_op": True}),
+             ((1, "max", "k", 5, 6), {"flag": 7}), ((1,), {"op": "min"})]
+    for args, kwargs in calls:  # nothing watched: straight through, same result
+        assert wrapped(*args, **kwargs) == original(*args, **kwargs)
+    assert seen == []
+    guard._guarded["g"] = Owner()
+    try:
+        assert wrapped(1, "max", "g") == original(1, "max", "g")
+        assert wrapped(1, group="g") == original(1, group="g")
+        wrapped(1, group="k")  # a group nobody watches: not reported
+    finally:
+        guard._guarded.pop("g")
+    assert seen == [("original", guard.COLLECTIVE, "g")] * 2
+
+
+def test_an_unmirrorable_signature_falls_back_to_the_generic_wrapper():
+    from amem_callbacks import guard
+
+    def original(tensor, _amem_fn=None, group=None):  # a name the fast wrapper reserves
+        return (tensor, _amem_fn, group)
+
+    wrapped = guard._wrap(original, guard.COLLECTIVE, "group")
+    assert "amem_callbacks guard" not in wrapped.__code__.co_filename
+    assert wrapped(1, 2, group=3) == (1, 2, 3)
