@@ -58,6 +58,10 @@ class AMemCallback(TrainerCallback):
             DeepSpeed ZeRO-3 gathers parameters while the model generates.
         guard: "resume", "strict" or "off" (see ``OffloadPolicy``).
         overlap: suspend in the background while the model generates.
+        suspend_in_server_mode: with ``vllm_mode="server"`` generation runs on
+            the server's GPUs and nothing on the trainer's GPUs can use freed
+            memory meanwhile, so by default nothing is suspended there (one
+            log line says so); True suspends anyway.
         log_metrics: add the ``amem/...`` figures to the trainer's logs, so they
             reach whatever ``report_to`` names.
         **policy_options: ``min_bytes``, ``timeout_s``, ``agree_timeout_s``,
@@ -79,13 +83,16 @@ class AMemCallback(TrainerCallback):
     def __init__(self, backend: Union[str, object] = "auto",
                  keep: Union[Iterable[str], Mapping[str, Iterable[str]]] = (), *,
                  guard: str = "resume", overlap: bool = False, log_metrics: bool = True,
-                 **policy_options):
+                 suspend_in_server_mode: bool = False, **policy_options):
         unknown = sorted(set(policy_options) - _POLICY_OPTIONS)
         if unknown:
             raise ValueError(f"AMemCallback got unknown option(s) {unknown}: use backend, keep, "
                              f"guard, overlap, log_metrics or {sorted(_POLICY_OPTIONS)}")
-        if not isinstance(log_metrics, bool):
-            raise ValueError(f"log_metrics must be True or False, got {log_metrics!r}")
+        for flag, value in (("log_metrics", log_metrics),
+                            ("suspend_in_server_mode", suspend_in_server_mode)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{flag} must be True or False, got {value!r}")
+        self.suspend_in_server_mode = suspend_in_server_mode
         self._policy_kwargs = dict(backend=backend, keep=keep, guard=guard, overlap=overlap,
                                    **policy_options)
         OffloadPolicy(**self._policy_kwargs)  # bad options fail here, not at the first generation
@@ -166,6 +173,9 @@ class AMemCallback(TrainerCallback):
             else:
                 delattr(owner, name)
         self._wrapped = []
+        # The next attach() may serve another trainer: its first generation
+        # decides mode, kept groups and hooks afresh.
+        self.policy, self.kept, self.mode = None, {}, None
         if self in _in_server_call:
             _in_server_call.remove(self)
         trainer, self.trainer = self.trainer, None
@@ -232,9 +242,13 @@ class AMemCallback(TrainerCallback):
 
     # --- set-up at the first generation ----------------------------------------
     def _prepare(self) -> None:
-        """Once, at the first generation: everything (vLLM included) exists by now."""
-        if self.policy is not None:
-            return
+        """At the first generation after attach (everything, vLLM included,
+        exists by now): the policy and the generation-mode hooks."""
+        if self.policy is None:
+            self._make_policy()
+            self._hook_generation()
+
+    def _make_policy(self) -> None:
         trainer = self.trainer
         self.mode = _generation_mode(trainer)
         needed = _groups_generation_uses(trainer, self.mode)
@@ -249,6 +263,14 @@ class AMemCallback(TrainerCallback):
             level = logging.WARNING if "world" in self.kept else logging.INFO
             logger.log(level, "amem_callbacks: generation uses these groups, kept active: %s",
                        "; ".join(f"{name!r} ({why})" for name, why in self.kept.items()))
+
+    def _hook_generation(self) -> None:
+        trainer = self.trainer
+        if self.mode == "vllm-server" and not self.suspend_in_server_mode:
+            logger.info("amem_callbacks: vLLM server mode: generation runs on the server's GPUs, "
+                        "so no memory freed here could serve it; nothing is suspended (pass "
+                        "AMemCallback(suspend_in_server_mode=True) to suspend anyway)")
+            return
         if self.mode == "transformers" and getattr(trainer, "rollout_func", None) is not None:
             self._wrap(trainer, "rollout_func", self._before_call("rollout_func"))
         elif self.mode == "vllm-colocate":

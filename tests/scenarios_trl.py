@@ -140,15 +140,19 @@ class UnevenTurns:
 
 
 def train(callback_options=None, trainer_class=None, configure=None, fake=None, explicit=False,
-          **arg_options):
-    """One GRPO run; returns its losses, metrics and what the recorder saw."""
+          callback=None, **arg_options):
+    """One GRPO run; returns its losses, metrics and what the recorder saw.
+    ``callback``: an AMemCallback to reuse (it was detached from an earlier run)."""
     from trl import GRPOTrainer
 
     global RECORDER
     RECORDER = Recorder(fake)
     trainer_class = trainer_class or GRPOTrainer
     callbacks = []
-    if callback_options is not None:
+    if callback is not None:
+        RECORDER.callback = callback
+        callbacks.append(callback)
+    elif callback_options is not None:
         options = dict(callback_options)
         if options.get("backend") == "fake":
             options["backend"] = fake.backend()
@@ -175,7 +179,8 @@ def train(callback_options=None, trainer_class=None, configure=None, fake=None, 
         policy = callback.policy
         out.update(counters=policy.counters.as_dict(), kept=callback.kept, mode=callback.mode,
                    metrics=callback.metrics(),
-                   begin_groups={g.name: [g.action, g.reason] for g in callback.last_begin.groups},
+                   begin_groups={g.name: [g.action, g.reason] for g in callback.last_begin.groups}
+                   if callback.last_begin is not None else {},
                    attached=callback.trainer is trainer,
                    registered=sum(cb is callback for cb in trainer.callback_handler.callbacks))
         callback.detach()
@@ -187,7 +192,7 @@ class _Seams(logging.Handler):
 
     def emit(self, record):
         message = record.getMessage()
-        if "amem_callbacks: generation" in message:
+        if "amem_callbacks: generation" in message or "vLLM server mode" in message:
             RECORDER.note("seam", line=message.split(": ", 1)[1])
 
 
@@ -344,7 +349,15 @@ def vllm_modes(args):
     out = {}
     for mode, configure in (("server", configure_server), ("colocate", configure_colocate)):
         out[mode] = {"baseline": train(configure=configure, max_steps=3)}
-    for mode, configure in (("server", configure_server), ("colocate", configure_colocate)):
-        out[mode]["amem"] = train(options, configure=configure, fake=fake, max_steps=3)
+    out["server"]["amem"] = train(dict(options, suspend_in_server_mode=True),
+                                  configure=configure_server, fake=fake, max_steps=3)
+    out["server"]["default"] = train(options, configure=configure_server, fake=fake, max_steps=3)
+    # One callback serves a colocate run, is detached, then serves a second trainer:
+    # its hooks must be in place again (the second run is the one checked below).
+    reused = AMemCallback(**dict(options, backend=fake.backend() if fake else options["backend"]))
+    out["colocate"]["first_of_two"] = train(callback=reused, configure=configure_colocate,
+                                            fake=fake, max_steps=1)
+    out["colocate"]["amem"] = train(callback=reused, configure=configure_colocate, fake=fake,
+                                    max_steps=3)
     return out
 

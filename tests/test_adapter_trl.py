@@ -101,6 +101,15 @@ def test_ranks_that_call_the_model_a_different_number_of_times_take_one_transiti
     assert steps[0] == steps[1]
 
 
+def test_vllm_server_mode_suspends_nothing_by_default_and_says_why():
+    for res in results("vllm_modes", backend="fake", overlap=True):
+        run = res["server"]["default"]
+        assert run["mode"] == "vllm-server" and run["counters"]["amem/total/begins"] == 0
+        lines = [e["line"] for e in run["events"] if e["what"] == "seam"]
+        assert len(lines) == 1 and "suspend_in_server_mode=True" in lines[0]
+        assert_same_training(run, res["server"]["baseline"])
+
+
 def test_vllm_server_mode_suspends_while_rank_0_waits_for_the_server():
     r0, r1 = results("vllm_modes", backend="fake", overlap=True)
     for res in (r0, r1):
@@ -120,8 +129,12 @@ def test_vllm_server_mode_suspends_while_rank_0_waits_for_the_server():
 
 
 def test_vllm_colocate_frees_memory_before_the_kv_cache_wakes_and_keeps_vllm_groups():
+    """Checked on the second trainer a detached callback was attached to: its
+    hooks on the new vLLM engine must be in place again."""
     for res in results("vllm_modes", backend="fake", overlap=True):
+        assert res["colocate"]["first_of_two"]["counters"]["amem/total/begins"] == 1
         run = res["colocate"]["amem"]
+        assert run["counters"]["amem/total/begins"] == 3
         assert run["mode"] == "vllm-colocate"
         assert set(run["kept"]) == {"vllm_tp", "vllm"}
         assert run["begin_groups"]["vllm_tp"][0] == run["begin_groups"]["vllm"][0] == "kept"
