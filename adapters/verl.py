@@ -175,12 +175,20 @@ class WorkerSession:
         self._early_error: Optional[BaseException] = None
 
     def suspend(self) -> None:
-        """Collective: suspend the idle groups and wait until their memory is free."""
+        """Collective: suspend the idle groups and wait until their memory is free
+        on every rank, not only here: a replica's leader wakes the KV cache on
+        all of the replica's GPUs, and with ``keep: [world]`` no suspended group
+        need contain its peers, so nothing else would make it wait for them."""
         with self._lock:
             self._generation += 1
             self._remember(self.policy.begin(PHASE))
             # Even with overlap the memory must be free before the KV cache comes back.
             self.policy.wait()
+            late = self.policy.store_barrier("verl-suspended")  # rounds number the calls
+            if late:
+                logger.warning("amem_callbacks: rank(s) %s had not freed their NCCL memory "
+                               "within %g s; the KV cache may come back before it is free",
+                               late, self.policy.agree_timeout_s)
 
     def rollout_ended(self) -> bool:
         """The driver says rollout is over: start resuming in the background."""

@@ -211,6 +211,22 @@ class OffloadPolicy:
             out.update(self.last_report.as_dict(prefix))
         return out
 
+    def store_barrier(self, name: str) -> list:
+        """Collective over all ranks: return once every rank has called it with
+        the same ``name``, or after ``agree_timeout_s``. It goes through the
+        c10d store, never NCCL, so it is safe while groups are suspended (an
+        adapter uses it when one rank's next step needs every rank's memory
+        free). Returns the ranks that did not arrive in time (empty: all did).
+        """
+        if self._engine is None:  # inert, or before the first begin: nothing to line up
+            return []
+        import torch.distributed as dist
+
+        key = f"__barrier__/{name}"
+        world = tuple(range(dist.get_world_size()))
+        arrived = self._engine.agreement.exchange({key: (world, "here")})[key]
+        return [rank for rank, value in arrived.items() if value is None]
+
     def close(self) -> None:
         """End an active phase (collective) and wait for pending work."""
         if self._phase is not None:

@@ -18,6 +18,7 @@ import contextlib
 import os
 import sys
 import threading
+import time
 from types import SimpleNamespace
 
 import torch
@@ -455,3 +456,33 @@ def bad_config(args):
     except ValueError as exc:
         return {"error": str(exc)}
     return {"error": None}
+
+
+def replica_peers(args):
+    """keep: [world], and each rank suspends only a group of its own, so no
+    suspended group links the ranks of one replica. Rank 1's suspend is slow;
+    rank 0 (the replica's leader, which wakes the KV cache on every GPU of the
+    replica) must not come back from suspend() before rank 1's memory is free.
+    Times are CLOCK_MONOTONIC, the same clock in every process of the machine."""
+    import amem_callbacks.adapters.verl as adapter
+    from amem_callbacks import OffloadPolicy, name_group
+
+    init()
+    fake = FakeNccl()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    singles = [dist.new_group([r]) for r in range(world)]  # every rank makes every group
+    own = singles[rank]
+    name_group(own, f"single_{rank}")
+    fake.controls.delay(fake.handle_of(own)[0], args.get("delay_us", 0) if rank == 1 else 0)
+    policy = OffloadPolicy(backend=fake.backend(), keep=["world"], groups=[own],
+                           agree_timeout_s=20)
+    session = adapter.WorkerSession(adapter.AmemSettings(enable=True, keep=("world",)), policy)
+    cycles = []
+    for _ in range(2):
+        session.suspend()
+        returned = time.monotonic()
+        begin = session.reports["begin"]
+        cycles.append({"freed_at": begin.started + begin.wall_seconds, "returned_at": returned,
+                       "suspended": [g.name for g in begin.suspended]})
+        session.resume()
+    return {"cycles": cycles}

@@ -245,3 +245,13 @@ def test_the_example_script_composes_verls_config_with_the_block():
     rollout = cfg["actor_rollout_ref"]["rollout"]
     assert rollout["name"] == "vllm" and rollout["checkpoint_engine"]["backend"] == "naive"
     assert adapter.read_settings(rollout["custom"]).enable is True
+
+
+def test_a_replica_leader_returns_from_suspend_only_when_every_rank_has_freed():
+    ranks = [r["result"] for r in run_ranks("tests.scenarios_verl:replica_peers", world=2,
+                                            args={"delay_us": 1_500_000}, timeout=120)]
+    for cycle_no in range(2):
+        leader, peer = (r["cycles"][cycle_no] for r in ranks)
+        assert leader["suspended"] == ["single_0"] and peer["suspended"] == ["single_1"]
+        assert peer["freed_at"] - leader["freed_at"] > 1.0  # the peer really was slower
+        assert leader["returned_at"] >= peer["freed_at"]
