@@ -23,6 +23,7 @@ from amem_callbacks.backends.nccl import NcclBackend
 from amem_callbacks.errors import SuspendedGroupError
 from amem_callbacks.nccl_library import NcclLibrary
 from tests.fake_nccl import RESUME_OP, SUSPEND_OP, FakeControls, build
+from tests.random_program import run_random_program
 
 SCENARIOS = {}
 MiB = 2**20
@@ -425,20 +426,8 @@ def interleave(args):
                            workers=args.get("workers", 1), agree_timeout_s=30, timeout_s=60)
     same = random.Random(args.get("seed", 0))  # identical on every rank: same call order
     mine = random.Random(1000 + rank())  # per-rank timing noise
-    exact, actions = [], []
-    for _ in range(args.get("actions", 40)):
-        choice = same.choice(["phase", "call", "call", "call", "wait"])
-        if choice == "phase":
-            (policy.end if policy.active_phase else policy.begin)("rollout")
-            actions.append("end" if not policy.active_phase else "begin")
-        elif choice == "call":
-            name = same.choice(sorted(groups))
-            exact.append(allreduce_ok(groups[name], same.randint(1, 9)))
-            actions.append(name)
-        else:
-            policy.wait()
-            actions.append("wait")
-        time.sleep(mine.random() * 0.02)
+    actions, exact = run_random_program(policy, groups, allreduce_ok, same, mine,
+                                        args.get("actions", 40), max_sleep_s=0.02)
     policy.end()
     policy.wait()
     exact.append(all(allreduce_ok(g) for g in groups.values()))

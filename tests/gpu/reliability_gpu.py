@@ -143,6 +143,7 @@ def interleavings(r: Rank, seeds: int = 20, actions: int = 12) -> dict:
     from torch.distributed import distributed_c10d as c10d
 
     from amem_callbacks.transitions import ACTIVE
+    from tests.random_program import run_random_program
 
     groups = r.groups("dp", "ep", "tp")
     current = {}
@@ -166,20 +167,8 @@ def interleavings(r: Rank, seeds: int = 20, actions: int = 12) -> dict:
                                                   groups=list(groups.values()))
             same = random.Random(seed)  # the same program on every rank
             jitter = random.Random(1000 * seed + r.rank)  # different timing per rank
-            exact, trace = [], []
-            for _ in range(actions):
-                choice = same.choice(["phase", "call", "call", "call", "wait"])
-                if choice == "phase":
-                    trace.append("end" if policy.active_phase else "begin")
-                    (policy.end if policy.active_phase else policy.begin)("rollout")
-                elif choice == "call":
-                    name = same.choice(sorted(groups))
-                    exact.append(r.exact(groups[name], same.randint(1, 9)))
-                    trace.append(name)
-                else:
-                    policy.wait()
-                    trace.append("wait")
-                time.sleep(jitter.random() * 0.05)
+            trace, exact = run_random_program(policy, groups, r.exact, same, jitter, actions,
+                                              max_sleep_s=0.05)
             policy.close()
             exact.append(all(r.exact(g, 11.0) for g in groups.values()))
             runs.append({"seed": seed, "workers": workers, "trace": trace, "exact": all(exact),
