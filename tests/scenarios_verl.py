@@ -458,6 +458,24 @@ def bad_config(args):
     return {"error": None}
 
 
+def unknown_keep_group(args):
+    """keep names a group nobody has: the first weight sync (before the first
+    rollout and training step) fails, naming the valid names."""
+    import verl.workers.engine_workers as engine_workers
+
+    init()
+    cfg = compose(overrides=["+actor_rollout_ref.rollout.custom.amem.enable=true",
+                             "+actor_rollout_ref.rollout.custom.amem.keep=[nope]"])
+    worker = object.__new__(engine_workers.ActorRolloutRefWorker)
+    worker.config = cfg.actor_rollout_ref
+    worker.role = "actor_rollout_ref"
+    try:
+        asyncio.run(worker.update_weights(global_steps=0))
+    except ValueError as exc:
+        return {"error": str(exc)}
+    return {"error": None}
+
+
 def replica_peers(args):
     """keep: [world], and each rank suspends only a group of its own, so no
     suspended group links the ranks of one replica. Rank 1's suspend is slow;

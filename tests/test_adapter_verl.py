@@ -255,3 +255,9 @@ def test_a_replica_leader_returns_from_suspend_only_when_every_rank_has_freed():
         assert leader["suspended"] == ["single_0"] and peer["suspended"] == ["single_1"]
         assert peer["freed_at"] - leader["freed_at"] > 1.0  # the peer really was slower
         assert leader["returned_at"] >= peer["freed_at"]
+
+
+def test_an_unknown_group_in_keep_fails_at_the_first_weight_sync_naming_the_valid_ones():
+    error = one_rank("unknown_keep_group")["error"]
+    assert error and "unknown group name(s) ['nope'] in keep" in error
+    assert "'dp'" in error and "'world'" in error and "name_group" in error
