@@ -172,12 +172,12 @@ def _default_group():
 def _before(call: str, kind: str, group, kwargs) -> None:
     if kind == P2P_BATCH:
         for op in group or ():
-            _check(call, P2P, op.group if op.group is not None else _default_group())
+            _check_or_default(call, P2P, op.group)
         return
     if kind == CREATE:
         if kwargs.get("use_local_synchronization"):
             return  # only the new group's members call it: not a collective on the parent
-        _check(call, COLLECTIVE, group if group is not None else _default_group())
+        _check_or_default(call, COLLECTIVE, group)
         return
     if kind == DESTROY:
         targets = list(_guarded) if group is None else [group]
@@ -186,7 +186,7 @@ def _before(call: str, kind: str, group, kwargs) -> None:
             if owner is not None:
                 owner._forget(target)
         return
-    _check(call, kind, group if group is not None else _default_group())
+    _check_or_default(call, kind, group)
 
 
 def _check_or_default(call: str, kind: str, group) -> None:
