@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Optional
 
@@ -28,6 +29,19 @@ def current_device() -> Optional[int]:
     if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return None
     return torch.cuda.current_device()
+
+
+@contextlib.contextmanager
+def on_device(device: Optional[int]):
+    """Make ``device`` current on this thread for the block: torch gives a
+    group's communicator for the current device, and a thread that did not
+    choose one (asyncio.to_thread, a worker) starts on device 0."""
+    torch = sys.modules.get("torch")
+    if device is None or torch is None or not torch.cuda.is_available():
+        yield
+        return
+    with torch.cuda.device(device):
+        yield
 
 
 def host_rss_bytes() -> Optional[int]:

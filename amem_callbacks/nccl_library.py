@@ -7,6 +7,9 @@ second one. nccl4py brings its own NCCL and cuda-bindings dependency and would
 add hundreds of MB to an install that needs eight functions. A declarative
 table of those functions is smaller, testable against a stand-in library, and
 lets a missing optional symbol become a clear "needs NCCL >= X" message.
+And a ``ctypes.CDLL`` call releases the GIL for its duration (``PyDLL`` would
+not): a suspend waiting in NCCL's barriers for seconds never stops the
+process's other Python threads, unlike torch's own ``Backend.suspend()``.
 """
 
 from __future__ import annotations

@@ -81,5 +81,5 @@ def make_plan(groups, phase: str, keep, min_bytes: int, host_cap: Optional[int],
 
 def _handle_key(handle):
     """ncclComm_t values compare by address; other handles by identity."""
-    handle = getattr(handle, "ptr", handle)
+    handle = getattr(handle, "identity", handle)
     return handle if isinstance(handle, int) else id(handle)

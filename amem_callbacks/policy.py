@@ -148,9 +148,11 @@ class OffloadPolicy:
             report = TransitionReport(phase=phase, kind="begin", backend=self.backend.name,
                                       started=time.monotonic(), pending=True)
             from .groups import discover
+            from .memory import on_device
             from .plan import make_plan
 
-            groups = discover(self.backend, self._only)
+            with on_device(self._engine.device):  # torch's pointer is per current device
+                groups = discover(self.backend, self._only)
             plan = make_plan(groups, phase, self.keep_for(phase), self.min_bytes,
                              self.host_memory_cap_bytes, self.backend.process_wide,
                              self.backend.name)
@@ -237,7 +239,7 @@ class OffloadPolicy:
     def _run(self, task, report: TransitionReport) -> TransitionReport:
         self.last_report = report
         self._pending = task
-        if not self.overlap:
+        if not self.overlap or report.gil_held:
             self._wait_pending()
         return report
 
@@ -285,6 +287,8 @@ class OffloadPolicy:
             return
         self.backend_description = description
         device = self.device if self.device is not None else current_device()
+        if hasattr(backend, "device"):
+            backend.device = device
         self._engine = Transitions(backend, agreement, device, self.timeout_s,
                                    self.counters, workers=self.workers,
                                    strict=self.guard_mode == "strict",

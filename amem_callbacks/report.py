@@ -24,6 +24,11 @@ class GroupReport:
     persist_bytes: Optional[int] = None
     seconds: float = 0.0
     error: Optional[str] = None
+    #: the backend's way to this group's communicator ("ctypes", "torch-native", ...)
+    path: str = ""
+    #: bytes of the group's other communicators the backend cannot reach, and why
+    unreached_bytes: int = 0
+    unreached_why: str = ""
 
 
 @dataclass
@@ -44,6 +49,9 @@ class TransitionReport:
     started: float = 0.0  # time.monotonic() at the call
     skipped: Optional[str] = None  # why the whole transition did nothing
     pending: bool = False  # True while an overlapped transition still runs
+    #: some group went through torch's GIL-holding methods: the batch ran one
+    #: call at a time and the caller waited for it, whatever ``overlap`` said
+    gil_held: bool = False
 
     def _with(self, action: str) -> list:
         return [g for g in self.groups if g.action == action]

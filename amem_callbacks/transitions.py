@@ -37,12 +37,6 @@ BROKEN = "broken"
 PROCESS_KEY = "__process__"
 
 
-def _done_event() -> threading.Event:
-    event = threading.Event()
-    event.set()
-    return event
-
-
 @dataclass
 class GroupState:
     """A group this policy has suspended or is suspending.
@@ -96,6 +90,7 @@ class Transitions:
         self.states: dict = {}  # key -> GroupState, for groups not known to be active
         self.auto_resumed: list = []  # GroupReports of guard resumes since the last end()
         self._warned_auto: set = set()
+        self._warned_gil = False
 
     # --- begin -----------------------------------------------------------
     def begin(self, report: TransitionReport, groups, plan) -> Task:
@@ -121,10 +116,34 @@ class Transitions:
             else:
                 reason = d.reason if d.action != SUSPEND else reason_of(value)
                 report.groups.append(_group_report(g, KEPT, reason))
-        work = [(s, _group_report(s.info, SUSPENDED, suspendable=s.suspendable), s.pending)
+        work = [(s, _group_report(s.info, SUSPENDED, suspendable=s.suspendable,
+                                  path=self.backend.path_of(s.info.handle)), s.pending)
                 for s in self._new_states(chosen, groups, world)]
+        self._note_gil(report, work)
         return self.executor.submit(lambda: self._batch(report, work, self._suspend,
                                                         self._close_begin), "begin transition")
+
+    def _note_gil(self, report: TransitionReport, work) -> None:
+        """Groups reachable only through torch's GIL-holding methods: no thread
+        of this process runs while one of their calls waits in NCCL, so worker
+        threads and overlap would only stall; worse, a worker holding the GIL in
+        a barrier could keep this rank from issuing the very collective a peer's
+        barrier waits for. Their batch runs one call at a time and the caller
+        waits for it (the policy reads ``report.gil_held``)."""
+        held = [s.info.name for s, _r, _d in work if self.backend.holds_gil(s.info.handle)]
+        if not held:
+            return
+        report.gil_held = True
+        if not self._warned_gil:
+            self._warned_gil = True
+            why = next(s.info.handle.why for s, _r, _d in work
+                       if self.backend.holds_gil(s.info.handle))
+            logger.warning("amem_callbacks: group(s) %s are reached only through torch's own "
+                           "suspend()/resume(), which hold the GIL (%s): their transitions run "
+                           "one at a time and begin/end wait for them; overlap does not apply. "
+                           "Fix: a torch whose NCCL backend gives its communicator pointer "
+                           "(the default 'nccl' of torch 2.11-2.15; not torch 2.14's opt-in "
+                           "nccl2)", held, why)
 
     def _new_states(self, chosen, groups, world) -> list:
         if not chosen:
@@ -162,7 +181,7 @@ class Transitions:
     def _batch(self, report: TransitionReport, work, op: Callable, close: Callable):
         self._bind_device()
         self._measure(report, "before")
-        if self.workers <= 1 or len(work) <= 1:
+        if self.workers <= 1 or len(work) <= 1 or report.gil_held:
             for item in work:
                 self._run_op(op, *item)
         else:
@@ -303,8 +322,10 @@ class Transitions:
         for state in states:
             state.resume_queued = True
             state.pending = threading.Event()
-            work.append((state, _group_report(state.info, RESUMED, suspendable=state.suspendable),
+            work.append((state, _group_report(state.info, RESUMED, suspendable=state.suspendable,
+                                              path=self.backend.path_of(state.info.handle)),
                          state.pending))
+        self._note_gil(report, work)
         return self.executor.submit(lambda: self._batch(report, work, self._resume,
                                                         self._close_end), "end transition")
 
@@ -439,10 +460,12 @@ def _process_vote(groups, plan, backend_name: str) -> str:
 
 
 def _group_report(info: GroupInfo, action: str, reason: str = "",
-                  suspendable: Optional[int] = None) -> GroupReport:
+                  suspendable: Optional[int] = None, path: str = "") -> GroupReport:
     memory = info.memory
     return GroupReport(
         key=info.key, name=info.name, size=len(info.ranks), action=action, reason=reason,
         suspendable_bytes=suspendable if suspendable is not None else (
             memory.suspendable if memory else None),
-        persist_bytes=memory.persist if memory else None)
+        persist_bytes=memory.persist if memory else None,
+        unreached_bytes=memory.unreached if memory else 0,
+        unreached_why=memory.unreached_why if memory else "", path=path)

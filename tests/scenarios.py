@@ -436,6 +436,71 @@ def interleave(args):
             "failures": policy.counters.failures}
 
 
+@scenario
+def gil_overlapped_begin(args):
+    """An overlapped begin on groups behind torch-shaped backend objects whose
+    fake suspend waits for this rank's caller thread to run Python (a gate):
+    on the ctypes path the caller runs while every suspend is inside NCCL."""
+    from amem_callbacks.backends.nccl import handle_for
+    from tests import torch_standins
+
+    init()
+    world = dist.get_world_size()
+    groups = {}
+    for i in range(args.get("groups", 3)):
+        groups[f"g{i}"] = dist.new_group(list(range(world)))
+        name_group(groups[f"g{i}"], f"g{i}")
+    for g in groups.values():
+        allreduce_ok(g)
+    fake = FakeNccl()
+    objects = {}
+
+    def handle_of(group):
+        comm, _ = fake.handle_of(group)
+        if comm not in objects:
+            objects[comm] = torch_standins.make(args["shape"], fake.path, comm)
+        return handle_for(objects[comm])
+
+    gate = args.get("gate", True)
+    comms = [fake.handle_of(g)[0] for g in groups.values()]
+    if gate:
+        for comm in comms:
+            fake.controls.set_gate(comm)
+    warnings = []
+
+    class Count(logging.Handler):
+        def emit(self, record):
+            if "hold the GIL" in record.getMessage():
+                warnings.append(record.getMessage())
+
+    logging.getLogger("amem_callbacks").addHandler(Count())
+    backend = NcclBackend(library=fake.library, handle_of=handle_of)
+    policy = OffloadPolicy(backend=backend, overlap=True, workers=len(comms), agree_timeout_s=30,
+                           timeout_s=60)
+    begin = policy.begin("rollout")
+    begin_pending = begin.pending
+    ran_during = 0
+    if gate:
+        deadline = time.monotonic() + 30
+        for comm in comms:  # open each gate only once its suspend is inside NCCL
+            while not fake.controls.in_suspend(comm) and time.monotonic() < deadline:
+                ran_during += 0  # spinning in Python: needs the GIL
+            while fake.controls.in_suspend(comm) and not fake.controls.gate_timed_out(comm):
+                ran_during += 1
+                if ran_during % 1000 == 0:
+                    break
+            fake.controls.open_gate(comm)
+    policy.wait()
+    timed_out = [fake.controls.gate_timed_out(c) for c in comms]
+    paths = [g.path for g in begin.groups if g.action == "suspended"]
+    policy.end("rollout")
+    policy.wait()
+    exact = all(allreduce_ok(g) for g in groups.values())
+    return {"gate_timed_out": timed_out, "ran_during_suspend": ran_during,
+            "begin_pending": begin_pending, "gil_held": begin.gil_held, "paths": paths,
+            "exact_after": exact, "gil_warnings": len(warnings)}
+
+
 def main() -> None:
     import faulthandler
 

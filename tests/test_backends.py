@@ -9,7 +9,7 @@ import pytest
 
 from amem_callbacks.backends import select_backend
 from amem_callbacks.backends.amem import AmemBackend
-from amem_callbacks.backends.nccl import NcclBackend, TorchComm
+from amem_callbacks.backends.nccl import NcclBackend, handle_for
 from amem_callbacks.errors import BackendUnavailable, NcclError
 from amem_callbacks.nccl_library import NcclLibrary, version_tuple
 from tests.fake_nccl import FakeControls, build
@@ -66,10 +66,10 @@ def test_cumem_off_is_refused_because_it_frees_nothing(lib, monkeypatch):
         NcclBackend(library=lib).check()
 
 
-def test_torch_native_methods_are_used_when_torch_has_them(lib):
+def test_torch_native_methods_are_used_only_where_torch_gives_no_pointer(lib):
     calls = []
 
-    class StandIn:
+    class ProcessGroupNCCL2:  # torch 2.14's opt-in nccl2: methods, no _comm_ptr
         def suspend(self):
             calls.append("suspend")
 
@@ -80,7 +80,8 @@ def test_torch_native_methods_are_used_when_torch_has_them(lib):
             return {"suspend": 5, "persist": 1, "total": 6, "suspended": 1}
 
     backend = NcclBackend(library=lib)
-    handle = TorchComm(StandIn(), 1234)
+    handle, why = handle_for(ProcessGroupNCCL2())
+    assert why is None and backend.holds_gil(handle) and backend.path_of(handle) == "torch-native"
     backend.suspend(handle)
     backend.resume(handle)
     assert calls == ["suspend", "resume"]

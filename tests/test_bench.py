@@ -12,7 +12,7 @@ import pytest
 def bench(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     run = subprocess.run(
-        [sys.executable, "-m", "amem_callbacks.cli", "bench", "--steps", "2", "--rollout-s", "0.1",
+        [sys.executable, "-m", "amem_callbacks.tools.cli", "bench", "--steps", "2", "--rollout-s", "0.1",
          "--train-s", "0.02", "--guard-calls", "200", "--groups", "8", "--out", str(out)],
         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -6,17 +6,17 @@ import sys
 
 import pytest
 
-from amem_callbacks.cli import build_parser
+from amem_callbacks.tools.cli import build_parser
 
 
 def run(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "amem_callbacks.cli", *args],
+    return subprocess.run([sys.executable, "-m", "amem_callbacks.tools.cli", *args],
                           capture_output=True, text=True, timeout=timeout)
 
 
-def test_doctor_json_names_the_backend_and_each_fix():
+def test_doctor_json_names_the_backend_and_each_fix_and_exits_1_when_inert():
     out = run("doctor", "--json")
-    assert out.returncode == 0, out.stderr
+    assert out.returncode == 1, out.stderr  # a launch script can gate on it
     report = json.loads(out.stdout)
     assert report["facts"]["torch"].startswith("2.")
     assert report["backend"] == "none (training runs unchanged)"

@@ -14,6 +14,10 @@ class CommMemory:
     persist: int
     total: int
     suspended: bool
+    #: bytes of the group's other communicators that this backend cannot
+    #: reach (nccl-lazy's per-peer ones), and why; they stay allocated
+    unreached: int = 0
+    unreached_why: str = ""
 
 
 class Backend:
@@ -38,6 +42,16 @@ class Backend:
     def communicator(self, group) -> tuple:
         """``(handle, None)`` for a group this backend can act on, else ``(None, why)``."""
         raise NotImplementedError
+
+    def holds_gil(self, handle) -> bool:
+        """True when suspend/resume of ``handle`` keep the GIL for the whole NCCL
+        call (torch's own methods): the policy then runs them one at a time and
+        waits for them, since no Python thread could overlap them anyway."""
+        return False
+
+    def path_of(self, handle) -> str:
+        """How this backend reaches ``handle`` (for reports and the doctor)."""
+        return self.name
 
     def memory(self, handle) -> Optional[CommMemory]:
         """NCCL's memory stats for one communicator, or None if unknown."""

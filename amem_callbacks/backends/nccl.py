@@ -1,23 +1,31 @@
 """NCCL's own communicator suspend (NCCL >= 2.29.7) on torch's communicators.
 
-The calls go to the ``libnccl.so.2`` torch already loaded, on the handle that
-``ProcessGroupNCCL._comm_ptr()`` returns, so they act on exactly the
-communicators torch runs collectives on. The version that counts is the
-loaded library's (``ncclGetVersion``): ``torch.cuda.nccl.version()`` reports
-the version torch was built with, which can differ.
+The calls go to the ``libnccl.so.2`` torch already loaded, on the pointer
+torch's backend object gives (``_comm_ptr()``, re-read before every call), so
+they act on exactly the communicators torch runs collectives on, and through
+ctypes, which releases the GIL for the call: the caller's thread keeps
+running while a suspend waits in NCCL's barriers. torch's own
+``Backend.suspend()`` (torch >= 2.12) holds the GIL for seconds; it is used
+only where torch gives no pointer (see :mod:`.torch_comms`).
+
+The version that counts is the loaded library's (``ncclGetVersion``):
+``torch.cuda.nccl.version()`` reports the version torch was built with.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
-from ..errors import BackendUnavailable
+from ..errors import BackendUnavailable, NcclError
 from ..nccl_library import (
     STAT_PERSIST, STAT_SUSPENDABLE, STAT_SUSPENDED, STAT_TOTAL, SUSPEND_MIN_VERSION,
     NcclLibrary, version_string,
 )
 from .base import Backend, CommMemory
+from .torch_comms import PATH_CHOICES, Path, how_to_reach, read_pointer, torch_backend_of, \
+    torch_memory_stats, unwrap
 
 
 def suspend_capable_nccl_fix() -> str:
@@ -39,44 +47,78 @@ def cumem_disabled() -> bool:
     return os.environ.get("NCCL_CUMEM_ENABLE", "").strip() == "0"
 
 
-class TorchComm:
-    """torch's own NCCL backend object of a group (torch >= 2.12 has
-    ``suspend/resume/memory_stats`` on it); ``ptr`` is its ``ncclComm_t``."""
+class CommunicatorGone(NcclError):
+    """The group's communicator was destroyed, aborted or replaced since it was found."""
 
-    __slots__ = ("backend", "ptr")
-
-    def __init__(self, backend, ptr: int):
-        self.backend = backend
-        self.ptr = ptr
+    def __init__(self, text: str):
+        super().__init__("communicator lookup", -1, text)
 
 
-def torch_has_native_suspend() -> bool:
-    from torch._C import _distributed_c10d as c10d_ext
+@dataclass(eq=False)
+class CommHandle:
+    """One group's communicator as the nccl backend reaches it.
 
-    return all(hasattr(c10d_ext.Backend, name) for name in ("suspend", "resume", "memory_stats"))
+    The pointer is re-read from torch right before every NCCL call, so an
+    aborted or destroyed group gives :class:`CommunicatorGone`, never a call
+    on a freed ``ncclComm_t``.
+    """
+
+    torch_backend: object
+    path: Path
+    why: str
+    ptr: int = 0  # at discovery; 0 on the torch-native path
+    unreached: str = ""
+    suspended_ptr: int = 0  # what suspend acted on; resume must find the same one
+
+    @property
+    def holds_gil(self) -> bool:
+        return self.path is Path.TORCH
+
+    @property
+    def identity(self):
+        """Two groups with the same identity share one communicator."""
+        return self.ptr or id(self.torch_backend)
+
+    def current(self, what: str) -> int:
+        try:
+            ptr = read_pointer(self.torch_backend)
+        except Exception as exc:  # torch raises for an aborted communicator
+            raise CommunicatorGone(f"{what}: torch no longer gives this group's communicator "
+                                   f"({exc}); the group was aborted or destroyed") from None
+        if not ptr:
+            raise CommunicatorGone(f"{what}: the group has no communicator any more (destroyed "
+                                   "or aborted)")
+        return ptr
 
 
-def torch_comm_handle(group) -> tuple:
-    """``(handle, None)`` for an NCCL group with a communicator on this device,
-    else ``(None, why)``. The handle is a :class:`TorchComm` where torch can
-    suspend it itself, else the raw ``ncclComm_t`` as an int."""
+def torch_comm_handle(group, prefer: str = "auto", device: Optional[int] = None) -> tuple:
+    """``(CommHandle, None)`` for an NCCL group with a communicator on this
+    rank's device, else ``(None, why)``."""
     import torch
 
     if not torch.cuda.is_available():
         return None, "no CUDA device"
-    try:
-        backend = group._get_backend(torch.device("cuda", torch.cuda.current_device()))
-    except RuntimeError:
-        return None, "not an NCCL group"
-    comm_ptr = getattr(backend, "_comm_ptr", None)
-    if comm_ptr is None:
-        return None, "not an NCCL group"
-    handle = comm_ptr()
-    if not handle:
+    if device is None:
+        device = torch.cuda.current_device()
+    torch_backend, why = torch_backend_of(group, device)
+    if torch_backend is None:
+        return None, why
+    return handle_for(torch_backend, prefer)
+
+
+def handle_for(torch_backend, prefer: str = "auto") -> tuple:
+    """``(CommHandle, None)`` or ``(None, why)`` for one torch backend object
+    (split out so tests can hand in objects shaped like each torch's)."""
+    torch_backend = unwrap(torch_backend)
+    reach = how_to_reach(torch_backend, prefer)
+    if reach.path is None:
+        return None, reach.why
+    if reach.path is Path.TORCH:
+        return CommHandle(torch_backend, Path.TORCH, reach.why, unreached=reach.unreached), None
+    ptr = read_pointer(torch_backend)
+    if not ptr:
         return None, "its NCCL communicator is not created yet (no collective has run on it)"
-    if torch_has_native_suspend():
-        return TorchComm(backend, handle), None
-    return handle, None
+    return CommHandle(torch_backend, Path.CTYPES, reach.why, ptr, reach.unreached), None
 
 
 class NcclBackend(Backend):
@@ -86,15 +128,27 @@ class NcclBackend(Backend):
         library: the NCCL to call; default: the one already loaded in the
             process. Tests pass a stand-in library.
         handle_of: maps a process group to ``(handle, why_not)``; default:
-            torch's ``_comm_ptr()`` on the current CUDA device.
+            torch's communicator of the group on this rank's device (see
+            :mod:`~amem_callbacks.backends.torch_comms`).
+        path: "auto" (NCCL's symbols via ctypes wherever torch gives the
+            communicator pointer, torch's own GIL-holding ``suspend()`` only
+            where it does not), "ctypes" (never torch's methods), or "torch"
+            (torch's methods wherever they exist; they also reach nccl-lazy's
+            per-peer communicators, at the price of the GIL).
     """
 
     name = "nccl"
 
     def __init__(self, library: Optional[NcclLibrary] = None,
-                 handle_of: Optional[Callable] = None):
+                 handle_of: Optional[Callable] = None, path: str = "auto"):
+        if path not in PATH_CHOICES:
+            raise ValueError(f"unknown nccl path {path!r}: write one of "
+                             f"{', '.join(map(repr, PATH_CHOICES))}")
         self._library = library
-        self._handle_of = handle_of or torch_comm_handle
+        self.path = path
+        self.device: Optional[int] = None  # set by the policy: the rank's CUDA device
+        self._handle_of = handle_of or (
+            lambda group: torch_comm_handle(group, self.path, self.device))
 
     @property
     def library(self) -> NcclLibrary:
@@ -126,28 +180,56 @@ class NcclBackend(Backend):
     def communicator(self, group) -> tuple:
         return self._handle_of(group)
 
-    def memory(self, handle) -> Optional[CommMemory]:
-        if isinstance(handle, TorchComm):
-            stats = handle.backend.memory_stats()
-            return CommMemory(suspendable=int(stats["suspend"]), persist=int(stats["persist"]),
-                              total=int(stats["total"]), suspended=bool(stats["suspended"]))
-        lib = self.library
-        return CommMemory(
-            suspendable=lib.comm_mem_stat(handle, STAT_SUSPENDABLE),
-            persist=lib.comm_mem_stat(handle, STAT_PERSIST),
-            total=lib.comm_mem_stat(handle, STAT_TOTAL),
-            suspended=bool(lib.comm_mem_stat(handle, STAT_SUSPENDED)),
-        )
+    def holds_gil(self, handle) -> bool:
+        return getattr(handle, "holds_gil", False)
 
-    # torch's methods take torch's lock on the communicator; prefer them.
+    def path_of(self, handle) -> str:
+        return handle.path.value if isinstance(handle, CommHandle) else Path.CTYPES.value
+
+    def memory(self, handle) -> Optional[CommMemory]:
+        if isinstance(handle, CommHandle) and handle.path is Path.TORCH:
+            stats = torch_memory_stats(handle.torch_backend)
+            return None if stats is None else _from_torch_stats(stats)
+        ptr = handle.current("ncclCommMemStats") if isinstance(handle, CommHandle) else handle
+        lib = self.library
+        memory = CommMemory(
+            suspendable=lib.comm_mem_stat(ptr, STAT_SUSPENDABLE),
+            persist=lib.comm_mem_stat(ptr, STAT_PERSIST),
+            total=lib.comm_mem_stat(ptr, STAT_TOTAL),
+            suspended=bool(lib.comm_mem_stat(ptr, STAT_SUSPENDED)),
+        )
+        if isinstance(handle, CommHandle) and handle.unreached:
+            # nccl-lazy: torch's stats sum the primary and the per-peer communicators.
+            stats = torch_memory_stats(handle.torch_backend)
+            extra = stats["total"] - memory.total if stats else 0
+            if extra > 0:
+                memory = replace(memory, unreached=extra, unreached_why=handle.unreached)
+        return memory
+
     def suspend(self, handle) -> None:
-        if isinstance(handle, TorchComm):
-            handle.backend.suspend()
-        else:
+        if not isinstance(handle, CommHandle):
             self.library.comm_suspend(handle)
+        elif handle.path is Path.TORCH:
+            handle.torch_backend.suspend()
+        else:
+            ptr = handle.current("suspend")
+            self.library.comm_suspend(ptr)
+            handle.suspended_ptr = ptr
 
     def resume(self, handle) -> None:
-        if isinstance(handle, TorchComm):
-            handle.backend.resume()
-        else:
+        if not isinstance(handle, CommHandle):
             self.library.comm_resume(handle)
+        elif handle.path is Path.TORCH:
+            handle.torch_backend.resume()
+        else:
+            ptr = handle.current("resume")
+            if handle.suspended_ptr and ptr != handle.suspended_ptr:
+                raise CommunicatorGone(
+                    "resume: the group's communicator was replaced since it was suspended "
+                    "(destroyed and created again); the suspended one no longer exists")
+            self.library.comm_resume(ptr)
+
+
+def _from_torch_stats(stats: dict) -> CommMemory:
+    return CommMemory(suspendable=stats["suspend"], persist=stats["persist"],
+                      total=stats["total"], suspended=bool(stats["suspended"]))

@@ -39,14 +39,19 @@ class FakeControls:
         self.lib = ctypes.CDLL(path)
         self.lib.fakeCommCreate.restype = ctypes.c_void_p
         self.lib.fakeCommCreate.argtypes = (ctypes.c_uint64, ctypes.c_uint64)
-        for name in ("fakeCommInject", "fakeCommSetDelayUs", "fakeCommSuspended", "fakeCommCount"):
-            getattr(self.lib, name).argtypes = {
-                "fakeCommInject": (ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                   ctypes.c_int),
-                "fakeCommSetDelayUs": (ctypes.c_void_p, ctypes.c_int),
-                "fakeCommSuspended": (ctypes.c_void_p,),
-                "fakeCommCount": (ctypes.c_void_p, ctypes.c_int),
-            }[name]
+        argtypes = {
+            "fakeCommInject": (ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                               ctypes.c_int),
+            "fakeCommSetDelayUs": (ctypes.c_void_p, ctypes.c_int),
+            "fakeCommSuspended": (ctypes.c_void_p,),
+            "fakeCommCount": (ctypes.c_void_p, ctypes.c_int),
+            "fakeCommSetGate": (ctypes.c_void_p,),
+            "fakeCommOpenGate": (ctypes.c_void_p,),
+            "fakeCommInSuspend": (ctypes.c_void_p,),
+            "fakeCommGateTimedOut": (ctypes.c_void_p,),
+        }
+        for name, types in argtypes.items():
+            getattr(self.lib, name).argtypes = types
 
     def create(self, suspendable: int, persist: int = 4 << 20) -> int:
         return self.lib.fakeCommCreate(suspendable, persist)
@@ -62,3 +67,16 @@ class FakeControls:
 
     def count(self, comm: int, op: int) -> int:
         return self.lib.fakeCommCount(comm, op)
+
+    def set_gate(self, comm: int) -> None:
+        """The next suspend of ``comm`` waits until a Python thread calls :meth:`open_gate`."""
+        self.lib.fakeCommSetGate(comm)
+
+    def open_gate(self, comm: int) -> None:
+        self.lib.fakeCommOpenGate(comm)
+
+    def in_suspend(self, comm: int) -> bool:
+        return bool(self.lib.fakeCommInSuspend(comm))
+
+    def gate_timed_out(self, comm: int) -> bool:
+        return bool(self.lib.fakeCommGateTimedOut(comm))

@@ -32,6 +32,10 @@ typedef struct fakeComm {
   int fail_op, fail_code, fail_times, fail_half; /* inject: op 0 suspend, 1 resume */
   int delay_us;
   int suspends, resumes;
+  /* GIL probe: with gate set, a suspend waits (up to 20 s) for fakeCommOpenGate,
+   * which only a Python thread can call. If the caller of ncclCommSuspend holds
+   * the GIL, no Python thread can run, the wait runs out and gate_timed_out says so. */
+  volatile int gate, gate_open, in_suspend, gate_timed_out;
 } fakeComm;
 
 ncclResult_t ncclGetVersion(int* version) {
@@ -65,7 +69,14 @@ ncclResult_t ncclCommSuspend(fakeComm* c, int flags) {
   ncclResult_t r = injected(c, 0);
   if (r != ncclSuccess) { if (c->fail_half) c->suspended = 1; return r; }
   if (c->suspended) return ncclInvalidUsage;
+  c->in_suspend = 1;
   if (c->delay_us) usleep(c->delay_us);
+  if (c->gate) {
+    int waited_ms = 0;
+    while (!c->gate_open && waited_ms < 20000) { usleep(1000); waited_ms++; }
+    if (!c->gate_open) c->gate_timed_out = 1;
+  }
+  c->in_suspend = 0;
   c->suspended = 1; c->suspends++;
   return ncclSuccess;
 }
@@ -114,5 +125,9 @@ void fakeCommInject(fakeComm* c, int op, int code, int times, int half) {
   c->fail_op = op; c->fail_code = code; c->fail_times = times; c->fail_half = half;
 }
 void fakeCommSetDelayUs(fakeComm* c, int us) { c->delay_us = us; }
+void fakeCommSetGate(fakeComm* c) { c->gate = 1; c->gate_open = 0; c->gate_timed_out = 0; }
+void fakeCommOpenGate(fakeComm* c) { c->gate_open = 1; }
+int fakeCommInSuspend(fakeComm* c) { return c->in_suspend; }
+int fakeCommGateTimedOut(fakeComm* c) { return c->gate_timed_out; }
 int fakeCommSuspended(fakeComm* c) { return c->suspended; }
 int fakeCommCount(fakeComm* c, int op) { return op == 0 ? c->suspends : c->resumes; }

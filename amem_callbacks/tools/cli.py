@@ -11,10 +11,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="amem-callbacks",
         description="Free idle NCCL communicator memory during RL rollout.")
     sub = parser.add_subparsers(dest="command", required=True)
-    doctor = sub.add_parser("doctor", help="check torch, NCCL, cuMem and AMem; say what to fix")
+    doctor = sub.add_parser("doctor", help="check torch, NCCL, cuMem and AMem; say what to fix "
+                                           "(exit status 1: training would run unchanged)")
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
     doctor.add_argument("--amem-library", metavar="PATH",
                         help="AMem's patched libnccl.so.2, to check it against this torch")
+    doctor.add_argument("--no-probe", action="store_true",
+                        help="skip the real suspend/resume of a 1-rank communicator on GPU 0")
     demo = sub.add_parser("demo", help="a small train/rollout loop on all local GPUs "
                                        "(2 CPU processes, dry run, without GPUs)")
     demo.add_argument("--steps", type=_positive_int, default=5)
@@ -74,7 +77,8 @@ def main(argv=None) -> int:
     if args.command == "doctor":
         from .doctor import main as doctor_main
 
-        return doctor_main(as_json=args.json, amem_library=args.amem_library)
+        return doctor_main(as_json=args.json, amem_library=args.amem_library,
+                           probe=not args.no_probe)
     if args.command == "demo":
         from .demo import main as demo_main
 

@@ -8,7 +8,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from . import __version__
+from .. import __version__
 
 
 @dataclass
@@ -28,8 +28,13 @@ class Diagnosis:
         return asdict(self)
 
 
-def diagnose(amem_library: Optional[str] = None) -> Diagnosis:
-    """Collect facts; every problem comes with the exact fix."""
+def diagnose(amem_library: Optional[str] = None, probe: bool = True) -> Diagnosis:
+    """Collect facts; every problem comes with the exact fix.
+
+    With ``probe`` and a GPU, one real suspend/resume on a 1-rank communicator
+    (in a child process) shows which class torch's "nccl" makes here and which
+    path the nccl backend takes on it.
+    """
     d = Diagnosis()
     f = d.facts
     f["amem_callbacks"] = __version__
@@ -49,14 +54,17 @@ def diagnose(amem_library: Optional[str] = None) -> Diagnosis:
         d.problems.append(Problem("this torch is a CPU-only build: there is no NCCL to suspend",
                                   "install a CUDA build of torch on the GPU machines"))
     _nccl_facts(d, torch)
+    _paths(d)
     _env_facts(d, amem_library)
     _pick(d, amem_library)
+    if probe and torch.cuda.is_available() and d.backend == "nccl":
+        _probe(d)
     return d
 
 
 def _nccl_facts(d: Diagnosis, torch) -> None:
-    from .backends.nccl import suspend_capable_nccl_fix, torch_has_native_suspend
-    from .nccl_library import SUSPEND_MIN_VERSION, NcclLibrary, loaded_nccl_paths, version_string
+    from ..backends.nccl import suspend_capable_nccl_fix
+    from ..nccl_library import SUSPEND_MIN_VERSION, NcclLibrary, loaded_nccl_paths, version_string
 
     f = d.facts
     try:
@@ -64,7 +72,10 @@ def _nccl_facts(d: Diagnosis, torch) -> None:
     except Exception:
         built = None
     f["nccl_torch_built_with"] = version_string(built) if isinstance(built, tuple) else None
-    f["torch_native_suspend_api"] = torch_has_native_suspend()
+    pin = torch_nccl_pin()
+    if pin:
+        f["nccl_wheel_pinned_by_torch"] = pin
+    f["nccl_wheels_installed"] = installed_nccl_wheels()
     lib = NcclLibrary.loaded()
     paths = loaded_nccl_paths()
     f["nccl_loaded_paths"] = paths
@@ -83,14 +94,15 @@ def _nccl_facts(d: Diagnosis, torch) -> None:
     if others:
         f["nccl_also_mapped_unused"] = others
     if not lib.has_suspend or lib.version < SUSPEND_MIN_VERSION:
+        pinned = f"; this torch pins {pin}" if pin else ""
         d.problems.append(Problem(
             f"loaded NCCL {lib.version_str} cannot suspend communicators (needs >= "
-            f"{version_string(SUSPEND_MIN_VERSION)})", suspend_capable_nccl_fix()))
+            f"{version_string(SUSPEND_MIN_VERSION)}{pinned})", suspend_capable_nccl_fix()))
 
 
 def _env_facts(d: Diagnosis, amem_library: Optional[str]) -> None:
-    from .backends.amem import nccl_version_in_file, torch_built_nccl_version
-    from .nccl_library import version_string
+    from ..backends.amem import nccl_version_in_file, torch_built_nccl_version
+    from ..nccl_library import version_string
 
     f = d.facts
     for name in ("NCCL_CUMEM_ENABLE", "AMEM_ENABLE", "NCCL_NVLS_ENABLE", "LD_PRELOAD"):
@@ -122,7 +134,7 @@ def _env_facts(d: Diagnosis, amem_library: Optional[str]) -> None:
 def _pick(d: Diagnosis, amem_library: Optional[str]) -> None:
     import logging
 
-    from .backends import select_backend
+    from ..backends import select_backend
 
     logger = logging.getLogger("amem_callbacks")
     level = logger.level
@@ -134,6 +146,74 @@ def _pick(d: Diagnosis, amem_library: Optional[str]) -> None:
         logger.setLevel(level)
     d.backend = "none (training runs unchanged)" if inert else backend.name
     d.backend_reason = why
+
+
+def torch_nccl_pin() -> Optional[str]:
+    """The nvidia-nccl requirement in torch's own metadata, e.g. 'nvidia-nccl-cu13==2.30.7'."""
+    from importlib import metadata
+
+    try:
+        requires = metadata.requires("torch") or []
+    except metadata.PackageNotFoundError:
+        return None
+    for line in requires:
+        if line.startswith("nvidia-nccl"):
+            return line.split(";")[0].replace(" ", "")
+    return None
+
+
+def installed_nccl_wheels() -> dict:
+    from importlib import metadata
+
+    out = {}
+    for name in ("nvidia-nccl-cu12", "nvidia-nccl-cu13"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def _paths(d: Diagnosis) -> None:
+    """Per NCCL backend class of this torch: the path the nccl backend would take."""
+    from ..backends.torch_comms import Path, nccl_classes
+
+    classes = nccl_classes()
+    d.facts["nccl_backend_classes"] = {
+        name: (reach.path.value if reach.path else "none") + f" - {reach.why}"
+        + (f"; not reached: {reach.unreached}" if reach.unreached else "")
+        for name, reach in classes.items()}
+    if any(reach.path is Path.TORCH for reach in classes.values()):
+        d.facts["nccl_backend_note"] = (
+            "torch-native above: groups of that class go through torch's own suspend(), "
+            "which holds the GIL; the probe (on a GPU) shows which class 'nccl' makes here")
+
+
+def _probe(d: Diagnosis) -> None:
+    import json
+    import subprocess
+
+    try:
+        run = subprocess.run([sys.executable, "-m", "amem_callbacks.tools.probe"],
+                             capture_output=True, text=True, timeout=180)
+        lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
+        result = json.loads(lines[-1]) if lines else {
+            "ok": False, "error": f"the probe exited with {run.returncode}: "
+                                  f"{run.stderr.strip()[-600:]}"}
+    except subprocess.TimeoutExpired:
+        result = {"ok": False, "error": "the probe did not finish within 180 s"}
+    d.facts["probe"] = result
+    if not result.get("ok"):
+        d.problems.append(Problem(
+            f"a real suspend/resume of a 1-rank communicator failed: {result.get('error')}",
+            "run `python -m amem_callbacks.tools.probe` to see the whole output; check that "
+            "only one libnccl is loaded (no stray LD_PRELOAD)"))
+        d.backend, d.backend_reason = "none (training runs unchanged)", result.get("error", "")
+    elif result.get("path") == "torch-native":
+        d.problems.append(Problem(
+            f"torch's 'nccl' makes {result.get('class')} here, which gives no communicator "
+            "pointer: suspend goes through torch's GIL-holding method",
+            "use torch's default 'nccl' backend (on torch 2.14 leave TORCH_DIST_USE_NCCL2 unset)"))
 
 
 def render(d: Diagnosis) -> str:
@@ -151,12 +231,14 @@ def render(d: Diagnosis) -> str:
     return "\n".join(lines)
 
 
-def main(as_json: bool = False, amem_library: Optional[str] = None) -> int:
+def main(as_json: bool = False, amem_library: Optional[str] = None, probe: bool = True) -> int:
+    """Exit status 1 when ``auto`` would leave training untouched (a launch
+    script can gate on it), else 0; ``--json`` keeps every detail."""
     import json
 
-    d = diagnose(amem_library)
+    d = diagnose(amem_library, probe)
     print(json.dumps(d.as_dict(), indent=1, default=str) if as_json else render(d))
-    return 0
+    return 1 if d.backend.startswith("none") else 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,99 @@
+"""One real suspend/resume on a 1-rank NCCL communicator, in its own process.
+
+``amem-callbacks doctor`` runs this (``python -m amem_callbacks.tools.probe``)
+on a machine with CUDA: it is the only way to know which class torch's
+``"nccl"`` backend really creates here, which path the nccl backend takes on
+it, and whether the loaded NCCL suspends a communicator torch made. A crash
+(an NCCL mismatch) ends this process, not the doctor. Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def caller_progress(action) -> tuple:
+    """Run ``action`` on a thread while this thread counts in pure Python;
+    returns ``(its result, counting rate during it / rate before it)``. A call
+    that holds the GIL stops the count: the ratio falls towards 0."""
+    def count_for(seconds: float) -> float:
+        n, end = 0, time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            n += 1
+        return n / seconds
+
+    baseline = count_for(0.2)
+    box = {}
+    thread = threading.Thread(target=lambda: box.setdefault("out", action()))
+    n, start = 0, time.perf_counter()
+    thread.start()
+    while thread.is_alive():
+        n += 1
+    elapsed = time.perf_counter() - start
+    thread.join()
+    return box.get("out"), (n / elapsed) / baseline if elapsed > 0 else None
+
+
+def probe(backend_name: str = "nccl") -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from amem_callbacks.backends.nccl import NcclBackend
+    from amem_callbacks.backends.torch_comms import torch_backend_of
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0",
+                      WORLD_SIZE="1")
+    torch.cuda.set_device(0)
+    dist.init_process_group(backend_name, rank=0, world_size=1)
+    out = {"torch_backend": backend_name}
+    try:
+        t = torch.ones(1, device="cuda")
+        dist.all_reduce(t)  # creates the communicator
+        torch_backend, why = torch_backend_of(dist.group.WORLD, 0)
+        out["class"] = type(torch_backend).__name__ if torch_backend is not None else None
+        backend = NcclBackend()
+        backend.device = 0
+        out["check"] = backend.check()
+        handle, why = backend.communicator(dist.group.WORLD)
+        if handle is None:
+            out.update(ok=False, error=why)
+            return out
+        out.update(path=handle.path.value, why=handle.why)
+        before = backend.memory(handle)
+        torch.cuda.synchronize()
+        free0 = torch.cuda.mem_get_info()[0]
+        _, out["caller_progress_during_suspend"] = caller_progress(lambda: backend.suspend(handle))
+        free1 = torch.cuda.mem_get_info()[0]
+        out["suspended_per_nccl"] = backend.memory(handle).suspended
+        _, out["caller_progress_during_resume"] = caller_progress(lambda: backend.resume(handle))
+        t.fill_(3.0)
+        dist.all_reduce(t)
+        out.update(suspendable_bytes=before.suspendable, persist_bytes=before.persist,
+                   device_freed_bytes=free1 - free0, exact_after=float(t.item()) == 3.0,
+                   ok=bool(out["suspended_per_nccl"]) and float(t.item()) == 3.0)
+    except Exception as exc:  # reported, never raised: the doctor explains it
+        out.update(ok=False, error=f"{type(exc).__name__}: {exc}")
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+def main() -> int:
+    name = sys.argv[1] if len(sys.argv) > 1 else "nccl"
+    print(json.dumps(probe(name)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
