@@ -17,32 +17,42 @@ and ``RLOOTrainer`` share the structure):
 - Resume: at the first accelerator collective inside ``_generate`` (the
   ``gather`` of the completion lengths), at the broadcast of the server's
   completions, or when ``_generate`` returns, whichever comes first: always
-  before the logprob forwards.
+  before the logprob forwards, and settled before ``_generate`` returns (DDP's
+  C++ reducer comes next and bypasses the guard).
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 import sys
 from typing import Iterable, Mapping, Optional, Union
 
-from transformers import TrainerCallback
-
 from amem_callbacks import OffloadPolicy, name_group
+from amem_callbacks.groups import register_roles
+from amem_callbacks.patching import Patches
+from amem_callbacks.session import RolloutSession
+
+from ._trl_groups import generation_mode, groups_generation_uses
+
+try:
+    from transformers import TrainerCallback
+except ImportError as exc:  # the extra was not installed
+    raise ImportError("amem_callbacks.adapters.trl needs TRL and transformers: "
+                      "pip install 'amem-callbacks[trl]'") from exc
 
 logger = logging.getLogger("amem_callbacks")
 
 PHASE = "rollout"
-_IDLE, _PENDING, _ACTIVE, _DONE = "idle", "pending", "active", "done"
 # Accelerator methods that are collective: the first one inside generation ends the phase.
 _ACCELERATOR_COLLECTIVES = ("gather", "gather_for_metrics", "reduce", "pad_across_processes",
                             "wait_for_everyone")
 _POLICY_OPTIONS = frozenset({"min_bytes", "timeout_s", "agree_timeout_s", "host_memory_cap_bytes",
-                             "groups", "backend_options"})
+                             "groups", "backend_options", "learn_keep", "workers"})
 # Callbacks whose trainer is inside a vLLM server-mode generate call (see _server_broadcast).
 _in_server_call: list = []
+
+register_roles(("vllm_tp", "vllm"))
 
 
 class AMemCallback(TrainerCallback):
@@ -65,13 +75,13 @@ class AMemCallback(TrainerCallback):
         log_metrics: add the ``amem/...`` figures to the trainer's logs, so they
             reach whatever ``report_to`` names.
         **policy_options: ``min_bytes``, ``timeout_s``, ``agree_timeout_s``,
-            ``host_memory_cap_bytes``, ``groups``, ``backend_options``.
+            ``host_memory_cap_bytes``, ``groups``, ``backend_options``,
+            ``learn_keep``, ``workers``.
 
     Attributes:
-        policy: the :class:`~amem_callbacks.OffloadPolicy`, built at the first
-            generation (once the groups are known).
+        session: the :class:`~amem_callbacks.session.RolloutSession`; its
+            policy is built at the first generation (once the groups are known).
         kept: group name -> why generation needs it active.
-        last_begin, last_end: this rank's last transition reports.
 
     Example:
         >>> from amem_callbacks.adapters.trl import AMemCallback
@@ -97,15 +107,31 @@ class AMemCallback(TrainerCallback):
                                    **policy_options)
         OffloadPolicy(**self._policy_kwargs)  # bad options fail here, not at the first generation
         self.log_metrics = log_metrics
-        self.policy: Optional[OffloadPolicy] = None
         self.trainer = None
+        self._patches = Patches()
+        self._reset()
+
+    def _reset(self) -> None:
+        """What one attach() learns at its first generation."""
+        self.session = RolloutSession(self._make_policy)
         self.kept: dict = {}
         self.mode: Optional[str] = None
-        self._window = _IDLE
+        self._inside_generate = False  # between _generate's start and its return
+        self._phase_done = False  # this _generate already had its begin and end
         self._in_vllm_call = False
-        self.last_begin = None
-        self.last_end = None
-        self._wrapped: list = []
+        self._hooked = False
+
+    @property
+    def policy(self) -> Optional[OffloadPolicy]:
+        return self.session.policy
+
+    @property
+    def last_begin(self):
+        return self.session.last("begin")
+
+    @property
+    def last_end(self):
+        return self.session.last("end")
 
     # --- finding and handing over the trainer ------------------------------
     def on_init_end(self, args, state, control, **kwargs):
@@ -147,132 +173,101 @@ class AMemCallback(TrainerCallback):
         if self.trainer is not None:
             raise ValueError("this AMemCallback already serves another trainer: create one per "
                              "trainer")
-        generate = getattr(trainer, "_generate", None)
-        if not callable(generate) or not hasattr(trainer, "accelerator"):
+        if not callable(getattr(trainer, "_generate", None)) or not hasattr(trainer, "accelerator"):
             raise ValueError(f"AMemCallback frames generation in trainers that generate "
                              f"(GRPOTrainer, RLOOTrainer); {type(trainer).__name__} does not")
-        if getattr(generate, "__amem_trl__", False):
+        if not self._patches.wrap(trainer, "_generate", self._around_generate):
             raise ValueError("this trainer already has an AMemCallback: add only one")
-        handler = trainer.callback_handler
-        if not any(cb is self for cb in handler.callbacks):
+        if not any(cb is self for cb in trainer.callback_handler.callbacks):
             trainer.add_callback(self)
         self.trainer = trainer
-        self._wrap(trainer, "_generate", self._around_generate)
-        self._wrap(trainer, "_generate_single_turn", self._before_call(
+        self._patches.wrap(trainer, "_generate_single_turn", before=self._starting(
             "transformers generation", lambda: self.mode == "transformers"))
-        self._wrap(trainer, "log", self._log_with_metrics)
+        self._patches.wrap(trainer, "log", self._log_with_metrics)
         for name in _ACCELERATOR_COLLECTIVES:
-            self._wrap(trainer.accelerator, name, self._ending_before(f"accelerator.{name}"))
+            self._patches.wrap(trainer.accelerator, name,
+                               before=lambda *a, _n=name, **k: self._stop(f"accelerator.{_n}"))
         return self
 
     def detach(self) -> None:
         """Undo :meth:`attach` (outside generation): the trainer runs as without the callback."""
-        for owner, name, original, own in reversed(self._wrapped):
-            if own:
-                setattr(owner, name, original)
-            else:
-                delattr(owner, name)
-        self._wrapped = []
-        # The next attach() may serve another trainer: its first generation
-        # decides mode, kept groups and hooks afresh.
-        self.policy, self.kept, self.mode = None, {}, None
+        self._patches.undo()
         if self in _in_server_call:
             _in_server_call.remove(self)
         trainer, self.trainer = self.trainer, None
+        self._reset()  # the next attach() may serve another trainer: decide afresh
         if trainer is not None and any(cb is self for cb in trainer.callback_handler.callbacks):
             trainer.remove_callback(self)
 
-    def _wrap(self, owner, name: str, around) -> None:
-        original = getattr(owner, name, None)
-        if original is None:
-            return
-
-        @functools.wraps(original)
-        def wrapped(*args, **kwargs):
-            return around(original, *args, **kwargs)
-
-        wrapped.__amem_trl__ = True
-        self._wrapped.append((owner, name, original, name in vars(owner)))
-        setattr(owner, name, wrapped)
-
     # --- the phase ------------------------------------------------------------
     def _around_generate(self, original, *args, **kwargs):
-        self._prepare()
-        self._window = _PENDING
+        if self.mode is None and not self._hooked:  # first generation: vLLM exists by now
+            self._hook_generation()
+        self._inside_generate, self._phase_done = True, False
         try:
             result = original(*args, **kwargs)
-            self._end("end of _generate")
+            self._stop("end of _generate")
         finally:
             # After an exception the groups stay as they are: resuming is
             # collective and the other ranks may be elsewhere; the guard
             # resumes a group the program uses again.
-            self._window = _IDLE
-        if self.policy.overlap:
-            self.policy.wait()  # DDP's own C++ collectives come next and bypass the guard
+            self._inside_generate = False
+        self.session.settle()  # DDP's own C++ collectives come next and bypass the guard
         return result
 
-    def _begin(self, where: str) -> None:
-        if self._window != _PENDING:
+    def _start(self, where: str, memory_needed_now: bool = False) -> None:
+        if not self._inside_generate or self._phase_done or self.session.active:
             return
-        self._window = _ACTIVE
+        if self._suspends_nothing():
+            return
         logger.debug("amem_callbacks: generation starts (%s): begin", where)
-        self.last_begin = self.policy.begin(PHASE)
+        self.session.start(where, memory_needed_now=memory_needed_now)
 
-    def _end(self, where: str) -> None:
-        if self._window != _ACTIVE:
+    def _stop(self, where: str) -> None:
+        if not self.session.active:
             return
-        self._window = _DONE
+        self._phase_done = True
         logger.debug("amem_callbacks: generation over (%s): end", where)
-        self.last_end = self.policy.end(PHASE)
-        if self.policy.overlap and self.policy.guard_mode == "off":
-            self.policy.wait()  # nothing else would wait for the resume before the next call
+        # Until _generate returns, TRL's own calls are torch.distributed ones (the guard
+        # holds each back until its group is back); settle() before DDP comes next.
+        self.session.stop(where, guarded_until_settle=True)
 
-    def _before_call(self, where: str, applies=lambda: True):
-        def around(original, *args, **kwargs):
+    def _starting(self, where: str, applies=lambda: True):
+        def before(*args, **kwargs):
             if applies():
-                self._begin(where)
-            return original(*args, **kwargs)
-        return around
+                self._start(where)
+        return before
 
-    def _ending_before(self, where: str):
-        def around(original, *args, **kwargs):
-            self._end(where)
-            return original(*args, **kwargs)
-        return around
+    def _suspends_nothing(self) -> bool:
+        return self.mode == "vllm-server" and not self.suspend_in_server_mode
 
     # --- set-up at the first generation ----------------------------------------
-    def _prepare(self) -> None:
-        """At the first generation after attach (everything, vLLM included,
-        exists by now): the policy and the generation-mode hooks."""
-        if self.policy is None:
-            self._make_policy()
-            self._hook_generation()
-
-    def _make_policy(self) -> None:
+    def _make_policy(self) -> OffloadPolicy:
         trainer = self.trainer
-        self.mode = _generation_mode(trainer)
-        needed = _groups_generation_uses(trainer, self.mode)
         names = []
-        for group, role, why in needed:
+        for group, role, why in groups_generation_uses(trainer, self.mode):
             name = _keep_name(group, role)
             names.append(name)
             self.kept.setdefault(name, why)
         keep = _merge_keep(self._policy_kwargs["keep"], PHASE, names)
-        self.policy = OffloadPolicy(**{**self._policy_kwargs, "keep": keep})
         if self.kept:
             level = logging.WARNING if "world" in self.kept else logging.INFO
             logger.log(level, "amem_callbacks: generation uses these groups, kept active: %s",
                        "; ".join(f"{name!r} ({why})" for name, why in self.kept.items()))
+        return OffloadPolicy(**{**self._policy_kwargs, "keep": keep})
 
     def _hook_generation(self) -> None:
         trainer = self.trainer
-        if self.mode == "vllm-server" and not self.suspend_in_server_mode:
+        self.mode = generation_mode(trainer)
+        self._hooked = True
+        self.session.prepare()
+        if self._suspends_nothing():
             logger.info("amem_callbacks: vLLM server mode: generation runs on the server's GPUs, "
                         "so no memory freed here could serve it; nothing is suspended (pass "
                         "AMemCallback(suspend_in_server_mode=True) to suspend anyway)")
             return
         if self.mode == "transformers" and getattr(trainer, "rollout_func", None) is not None:
-            self._wrap(trainer, "rollout_func", self._before_call("rollout_func"))
+            self._patches.wrap(trainer, "rollout_func", before=self._starting("rollout_func"))
         elif self.mode == "vllm-colocate":
             self._hook_colocate(trainer.vllm_generation)
         elif self.mode == "vllm-server":
@@ -282,18 +277,14 @@ class AMemCallback(TrainerCallback):
                            getattr(getattr(trainer, "vllm_generation", None), "mode", None))
 
     def _hook_colocate(self, vllm_generation) -> None:
-        llm = vllm_generation.llm
-
-        def wake_up(original, *args, **kwargs):
+        def wake_up(*args, **kwargs):
             tags = kwargs.get("tags", args[0] if args else None)
-            if tags is None or "kv_cache" in tags:
-                self._begin("vLLM KV-cache wake-up")
-                if self.policy.overlap:
-                    self.policy.wait()  # the KV cache needs the memory now
-            return original(*args, **kwargs)
+            if tags is None or "kv_cache" in tags:  # the KV cache needs the memory now
+                self._start("vLLM KV-cache wake-up", memory_needed_now=True)
 
-        self._wrap(llm, "wake_up", wake_up)
-        self._wrap(llm, "generate", self._before_call("vLLM generate"))
+        llm = vllm_generation.llm
+        self._patches.wrap(llm, "wake_up", before=wake_up)
+        self._patches.wrap(llm, "generate", before=self._starting("vLLM generate"))
 
     def _hook_server(self, vllm_generation) -> None:
         """Rank 0 suspends right before its request to the server; the other ranks
@@ -307,137 +298,38 @@ class AMemCallback(TrainerCallback):
                 self._in_vllm_call = False
                 _in_server_call.remove(self)
 
-        self._wrap(vllm_generation, "generate", in_call)
+        self._patches.wrap(vllm_generation, "generate", in_call)
         client = getattr(vllm_generation, "vllm_client", None)  # rank 0 only
         if client is not None:
-            request = self._before_call("vLLM server request", lambda: self._in_vllm_call)
+            request = self._starting("vLLM server request", lambda: self._in_vllm_call)
             for name in ("image_features", "generate"):
-                self._wrap(client, name, request)
-        _install_broadcast_hook()
+                self._patches.wrap(client, name, before=request)
+        module = sys.modules.get("trl.generation.vllm_generation")
+        if module is not None:  # every rank meets at the broadcast of the server's completions
+            self._patches.wrap(module, "broadcast_object_list", before=_server_broadcast)
 
     def _server_broadcast(self) -> None:
-        self._begin("waiting for the vLLM server")
-        self._end("broadcast of the server's completions")
+        self._start("waiting for the vLLM server")
+        self._stop("broadcast of the server's completions")
 
     # --- metrics ------------------------------------------------------------------
     def metrics(self, prefix: str = "amem/") -> dict:
         """This rank's running totals and its last begin and end, flat."""
-        if self.policy is None:
-            return {}
-        out = self.policy.counters.as_dict(prefix)
-        out[prefix + "inert"] = int(self.policy.inert)
-        for report in (self.last_begin, self.last_end):
-            if report is not None and not report.pending and not report.skipped:
-                out.update(report.as_dict(prefix))
-        return out
+        return self.session.metrics(prefix)
 
     def _log_with_metrics(self, original, logs, *args, **kwargs):
         # Eval logs are prefixed by the trainer from their first key: leave them alone.
-        if (self.log_metrics and self.policy is not None and isinstance(logs, dict) and logs
-                and (self.policy.counters.begins or self.policy.inert)
+        policy = self.policy
+        if (self.log_metrics and policy is not None and isinstance(logs, dict) and logs
+                and (policy.counters.begins or policy.inert)
                 and not str(next(iter(logs))).startswith("eval_")):
             logs.update(self.metrics())
         return original(logs, *args, **kwargs)
 
 
-def _generation_mode(trainer) -> Optional[str]:
-    if not getattr(trainer, "use_vllm", False):
-        return "transformers"
-    mode = getattr(getattr(trainer, "vllm_generation", None), "mode", None)
-    return f"vllm-{mode}" if mode in ("colocate", "server") else None
-
-
-def _groups_generation_uses(trainer, mode) -> list:
-    """``(process group, role or None, why)`` for each group that generation itself calls."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return []
-    world = dist.distributed_c10d._get_default_group()
-    found = []
-    vllm_generation = getattr(trainer, "vllm_generation", None)
-    if mode == "vllm-colocate":
-        tp_group = getattr(vllm_generation, "tp_group", None)
-        if tp_group is not None:
-            found.append((tp_group, "vllm_tp", "vLLM gathers the prompts over it"))
-        for group in _vllm_own_groups():
-            found.append((group, "vllm", "vLLM's own group"))
-        if (getattr(vllm_generation, "tensor_parallel_size", 1) > 1
-                and _is_peft(getattr(trainer, "model", None))):
-            found.append((world, None, "TRL calls a barrier on it before each vLLM generate "
-                                       "(PEFT with tensor_parallel_size > 1)"))
-    # Generation that may sync weights again inside the phase (several calls per phase).
-    several_calls = any(getattr(trainer, name, None) for name in
-                        ("tools", "rollout_func", "environment_factories"))
-    gathers = mode == "transformers" or (
-        mode == "vllm-colocate" and getattr(vllm_generation, "enable_sleep_mode", False)
-        and several_calls)
-    sharding = _sharding(trainer)
-    if gathers and sharding:
-        why = f"{sharding} gathers parameters on it while generating"
-        found.append((world, None, why))
-        model = getattr(trainer, "model_wrapped", None) or getattr(trainer, "model", None)
-        found.extend((group, None, why) for group in _sharding_groups(model))
-    return found
-
-
-def _sharding(trainer) -> Optional[str]:
-    backend = getattr(trainer, "_dist", None)
-    if backend is not None:
-        if getattr(backend, "is_zero3", False):
-            return "DeepSpeed ZeRO-3"
-        if getattr(backend, "is_fsdp", False):
-            return "FSDP"
-        return None
-    state = getattr(getattr(trainer, "accelerator", None), "state", None)
-    plugin = getattr(state, "deepspeed_plugin", None)
-    if plugin is not None and getattr(plugin, "zero_stage", 0) == 3:
-        return "DeepSpeed ZeRO-3"
-    if getattr(state, "fsdp_plugin", None) is not None:
-        return "FSDP"
-    return None
-
-
-def _sharding_groups(model) -> list:
-    """Groups the parameters are sharded over: FSDP1 wrappers' ``process_group``,
-    FSDP2 DTensors' mesh, ZeRO-3 parameters' ``ds_process_group``."""
-    if model is None:
-        return []
-    groups = {}
-    for module in model.modules():
-        group = getattr(module, "process_group", None)
-        if group is not None and type(module).__name__ == "FullyShardedDataParallel":
-            groups[id(group)] = group
-    for param in model.parameters():
-        group = getattr(param, "ds_process_group", None)
-        if group is not None:
-            groups[id(group)] = group
-        mesh = getattr(param, "device_mesh", None)
-        if mesh is not None:
-            for group in mesh.get_all_groups():
-                groups[id(group)] = group
-    return list(groups.values())
-
-
-def _vllm_own_groups() -> list:
-    """The NCCL groups of vLLM's GroupCoordinators (colocate mode builds them in this process)."""
-    state = sys.modules.get("vllm.distributed.parallel_state")
-    if state is None:
-        return []
-    groups = {}
-    for value in list(vars(state).values()):
-        group = getattr(value, "device_group", None) if not isinstance(value, type) else None
-        if group is not None and hasattr(group, "group_name"):
-            groups[id(group)] = group
-    return list(groups.values())
-
-
-def _is_peft(model) -> bool:
-    try:
-        from accelerate.utils import is_peft_model
-    except ImportError:
-        return False
-    return model is not None and is_peft_model(model)
+def _server_broadcast(*args, **kwargs) -> None:
+    for callback in list(_in_server_call):
+        callback._server_broadcast()
 
 
 def _keep_name(group, role: Optional[str]) -> str:
@@ -461,21 +353,3 @@ def _merge_keep(keep, phase: str, extra: list):
         merged = {"*": list(keep)}
     merged[phase] = sorted(set(merged.get(phase, ())) | set(extra))
     return merged
-
-
-def _install_broadcast_hook() -> None:
-    """Server mode: every rank meets at the broadcast of the server's completions
-    (``accelerate.utils.broadcast_object_list``, as bound in trl's vLLM module)."""
-    module = sys.modules.get("trl.generation.vllm_generation")
-    original = getattr(module, "broadcast_object_list", None)
-    if original is None or getattr(original, "__amem_trl__", False):
-        return
-
-    @functools.wraps(original)
-    def broadcast_object_list(*args, **kwargs):
-        for callback in list(_in_server_call):
-            callback._server_broadcast()
-        return original(*args, **kwargs)
-
-    broadcast_object_list.__amem_trl__ = True
-    module.broadcast_object_list = broadcast_object_list

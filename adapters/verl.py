@@ -5,7 +5,7 @@ worker while the rollout servers generate.
       rollout:
         custom:
           amem:
-            enable: true   # optional: backend, keep, overlap, guard
+            enable: true   # optional: backend, keep, guard, learn_keep
 
 verl imports this module in each of its processes, through the
 ``verl.plugins`` entry point this package declares or through
@@ -37,29 +37,30 @@ every call to every rank, so all ranks make the same collective calls.
 from __future__ import annotations
 
 import asyncio
-import functools
 import inspect
 import logging
 import threading
-from dataclasses import dataclass
-from typing import Callable, Mapping, Optional
+from typing import Optional
 
-from ._after_import import when_imported
+from amem_callbacks.groups import register_roles
+from amem_callbacks.patching import Patches, when_imported
+from amem_callbacks.session import RolloutSession
+
+from ._verl_config import CONFIG_KEY, AmemSettings, read_settings
+from ._verl_driver import _driver  # noqa: F401  (the driver's state, read by tests)
+from ._verl_driver import (check_config_after, log_with_metrics, merge_rank_metrics,
+                           signal_after_sleep, warn_once)
+
+__all__ = ["AmemSettings", "WorkerSession", "current_session", "install", "make_policy",
+           "merge_rank_metrics", "read_settings"]
 
 logger = logging.getLogger("amem_callbacks")
 
-PHASE = "rollout"
-CONFIG_KEY = "actor_rollout_ref.rollout.custom.amem"
 METRIC_PREFIX = "amem/"
-#: key -> (accepted types, how the message describes it)
-OPTIONS = {
-    "enable": ((bool,), "true or false"),
-    "backend": ((str,), "'auto', 'nccl', 'amem' or 'noop'"),
-    "keep": ((list, tuple), "a list of group names, e.g. [world]"),
-    "overlap": ((bool,), "true or false"),
-    "guard": ((str,), "'resume', 'strict' or 'off'"),
-}
-VALID_KEYS = ", ".join(f"{k} ({d})" for k, (_, d) in OPTIONS.items())
+
+# The DeviceMesh dimension names of verl's FSDP engine (its groups' "mesh_<dim>"
+# descriptions): keep lists may name them before the meshes exist.
+register_roles(("fsdp", "ddp", "dp", "sp"))
 
 # Training calls after which the worker needs its groups again.
 RESUME_BEFORE = {
@@ -70,83 +71,13 @@ RESUME_BEFORE = {
 }
 
 
-# --- configuration --------------------------------------------------------
-@dataclass(frozen=True)
-class AmemSettings:
-    """The ``amem`` block of ``rollout.custom``, validated."""
-
-    enable: bool = False
-    backend: str = "auto"
-    keep: tuple = ()
-    overlap: bool = False
-    guard: str = "resume"
-
-
-def read_settings(custom) -> AmemSettings:
-    """The ``amem`` settings in ``rollout.custom``; off when there is no block.
-
-    Group names in ``keep`` are checked later, where the groups exist, when
-    the worker builds its policy.
-
-    Args:
-        custom: ``actor_rollout_ref.rollout.custom``: a dict, a DictConfig or None.
-
-    Raises:
-        ValueError: an unknown key, a wrong type or an unknown choice; the
-            message lists the valid keys.
-
-    Example:
-        >>> read_settings({"amem": {"enable": True, "keep": ["world"]}}).keep
-        ('world',)
-    """
-    custom = _plain(custom)
-    if custom is None:
-        return AmemSettings()
-    if not isinstance(custom, Mapping):
-        raise ValueError(f"actor_rollout_ref.rollout.custom must be a mapping, got {custom!r}")
-    block = custom.get("amem")
-    if block is None:
-        return AmemSettings()
-    if not isinstance(block, Mapping):
-        raise ValueError(f"{CONFIG_KEY} must be a mapping such as {{enable: true}}, got "
-                         f"{block!r}; valid keys: {VALID_KEYS}")
-    unknown = sorted(str(k) for k in block if k not in OPTIONS)
-    if unknown:
-        raise ValueError(f"{CONFIG_KEY}: unknown key(s) {unknown}; valid keys: {VALID_KEYS}")
-    for key, value in block.items():
-        types, description = OPTIONS[key]
-        wrong = not isinstance(value, types)
-        if key == "keep" and not wrong:
-            wrong = not all(isinstance(name, str) and name for name in value)
-        if wrong:
-            raise ValueError(f"{CONFIG_KEY}.{key} must be {description}, got {value!r}; "
-                             f"valid keys: {VALID_KEYS}")
-    settings = AmemSettings(**{k: tuple(v) if k == "keep" else v for k, v in block.items()})
-    from amem_callbacks import OffloadPolicy
-
-    try:  # the policy's own checks of the choices (it touches no GPU and no group)
-        OffloadPolicy(backend=settings.backend, guard=settings.guard, overlap=settings.overlap)
-    except ValueError as exc:
-        raise ValueError(f"{CONFIG_KEY}: {exc}; valid keys: {VALID_KEYS}") from None
-    return settings
-
-
-def _plain(value):
-    """A DictConfig/ListConfig as plain containers; anything else unchanged."""
-    if type(value).__module__.startswith("omegaconf"):
-        from omegaconf import OmegaConf
-
-        return OmegaConf.to_container(value, resolve=True)
-    return value
-
-
 def make_policy(settings: AmemSettings):
     """Build the worker's OffloadPolicy (replace this function to customise it,
     e.g. tests put a fake NCCL behind it).
 
     Called on the thread verl runs the worker method on, so its current CUDA
     device is the one verl uses; the suspend itself later runs on a pool
-    thread (``asyncio.to_thread``) that starts on GPU 0.
+    thread (``asyncio.to_thread``) that starts on GPU 0: ``device=`` says which.
     """
     import torch
 
@@ -154,12 +85,12 @@ def make_policy(settings: AmemSettings):
 
     device = torch.cuda.current_device() if torch.cuda.is_available() else None
     return OffloadPolicy(backend=settings.backend, keep=list(settings.keep),
-                         guard=settings.guard, overlap=settings.overlap, device=device)
+                         guard=settings.guard, learn_keep=settings.learn_keep, device=device)
 
 
 # --- the training-worker side ---------------------------------------------
 class WorkerSession:
-    """The policy of one training-worker process and its rollout phase.
+    """The rollout phase of one training-worker process.
 
     ``suspend`` and ``resume`` are collective: the wrappers call them on every
     rank at the same point of the same worker call.
@@ -167,33 +98,42 @@ class WorkerSession:
 
     def __init__(self, settings: AmemSettings, policy):
         self.settings = settings
-        self.policy = policy
-        self.reports: dict = {}  # "begin"/"end" -> last report
+        self.session = RolloutSession(lambda: policy)
+        self.session.prepare()
         self._lock = threading.Lock()
-        self._generation = 0  # counts begins, so a late early-resume cannot end a newer phase
+        self._generation = 0  # counts suspends, so a late early-resume cannot end a newer phase
         self._early: Optional[threading.Thread] = None
         self._early_error: Optional[BaseException] = None
 
-    def suspend(self) -> None:
-        """Collective: suspend the idle groups and wait until their memory is free
-        on every rank, not only here: a replica's leader wakes the KV cache on
-        all of the replica's GPUs, and with ``keep: [world]`` no suspended group
-        need contain its peers, so nothing else would make it wait for them."""
+    @property
+    def policy(self):
+        return self.session.policy
+
+    @property
+    def reports(self) -> dict:
+        """"begin"/"end" -> the last finished report of each."""
+        return {kind: r for kind in ("begin", "end") if (r := self.session.last(kind))}
+
+    def suspend(self, kv_cache_next: bool = True) -> None:
+        """Collective: suspend the idle groups, and return once they are free. With
+        the KV cache next, wait until the memory is free on every rank, not only
+        here: a replica's leader wakes the KV cache on all of the replica's GPUs,
+        and with ``keep: [world]`` no suspended group need contain its peers, so
+        nothing else would make it wait for them."""
         with self._lock:
             self._generation += 1
-            self._remember(self.policy.begin(PHASE))
-            # Even with overlap the memory must be free before the KV cache comes back.
-            self.policy.wait()
-            late = self.policy.store_barrier("verl-suspended")  # rounds number the calls
-            if late:
-                logger.warning("amem_callbacks: rank(s) %s had not freed their NCCL memory "
-                               "within %g s; the KV cache may come back before it is free",
-                               late, self.policy.agree_timeout_s)
+            self.session.start("update_weights")
+            if kv_cache_next:
+                late = self.session.store_barrier("verl-suspended")  # rounds number the calls
+                if late:
+                    logger.warning("amem_callbacks: rank(s) %s had not freed their NCCL memory "
+                                   "within %g s; the KV cache may come back before it is free",
+                                   late, self.policy.agree_timeout_s)
 
     def rollout_ended(self) -> bool:
         """The driver says rollout is over: start resuming in the background."""
         with self._lock:
-            if self.policy.active_phase is None or self._early is not None:
+            if not self.session.active or self._early is not None:
                 return False
             self._early = threading.Thread(target=self._end_early, args=(self._generation,),
                                            name="amem-verl-resume", daemon=True)
@@ -203,15 +143,15 @@ class WorkerSession:
     def _end_early(self, generation: int) -> None:
         try:
             with self._lock:
-                if self._generation == generation and self.policy.active_phase is not None:
-                    self._remember(self.policy.end(PHASE))
+                if self._generation == generation:
+                    self.session.stop("sleep_replicas (early)")
         except BaseException as exc:  # re-raised by the next resume(), on the caller's thread
             self._early_error = exc
 
     def resume(self) -> None:
         """Collective: end the phase (unless done) and wait until every group is
-        back, even with overlap: the next call may run collectives the guard
-        cannot see (DTensor ``full_tensor`` in the FSDP engine)."""
+        back: the next call may run collectives the guard cannot see (DTensor
+        ``full_tensor`` in the FSDP engine)."""
         with self._lock:
             early, self._early = self._early, None
         if early is not None:
@@ -220,21 +160,12 @@ class WorkerSession:
             if error is not None:
                 raise error
         with self._lock:
-            if self.policy.active_phase is not None:
-                self._remember(self.policy.end(PHASE))
-        self.policy.wait()
+            self.session.stop("next training call")
+        self.session.settle()
 
     def metrics(self) -> dict:
         """Totals plus the last finished begin and end, as flat ``amem/...`` numbers."""
-        out = self.policy.counters.as_dict(METRIC_PREFIX)
-        for report in list(self.reports.values()):
-            if not report.pending:
-                out.update(report.as_dict(METRIC_PREFIX))
-        return out
-
-    def _remember(self, report) -> None:
-        if not report.skipped:
-            self.reports[report.kind] = report
+        return self.session.metrics(METRIC_PREFIX)
 
 
 _session: Optional[WorkerSession] = None
@@ -264,68 +195,51 @@ def _session_for(worker) -> Optional[WorkerSession]:
     return _session
 
 
-def _resume_first(method: Callable) -> Callable:
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        if _session is not None:
-            _session.resume()
-        return method(self, *args, **kwargs)
-
-    return wrapper
+def _resume_first(self, *args, **kwargs) -> None:
+    if _session is not None:
+        _session.resume()
 
 
-def _validate_first(method: Callable) -> Callable:
+def _validate_first(self, *args, **kwargs) -> None:
     """init_model: a bad ``amem`` block fails before any model is built."""
-
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        read_settings(self.config.rollout.get("custom"))
-        return method(self, *args, **kwargs)
-
-    return wrapper
+    read_settings(self.config.rollout.get("custom"))
 
 
-def _suspend_at_kv_cache(method: Callable) -> Callable:
+async def _suspend_at_kv_cache(method, self, *args, **kwargs):
     """update_weights: resume first, then suspend just before the KV cache returns."""
-    signature = inspect.signature(method)
+    session = _session_for(self)
+    if session is None:
+        return await method(self, *args, **kwargs)
+    await asyncio.to_thread(session.resume)
+    mode = inspect.signature(method).bind(self, *args, **kwargs).arguments.get("mode", "auto")
+    backend = mode if mode != "auto" else self.config.rollout.checkpoint_engine.backend
+    if backend != "naive" or getattr(self, "rollout", None) is None:
+        warn_once(f"backend {backend}", "amem_callbacks: checkpoint_engine backend %r: "
+                   "trainer and rollout do not share GPUs, nothing is suspended", backend)
+        return await method(self, *args, **kwargs)
+    rollout = self.rollout
+    shadowed = rollout.__dict__.get("resume")
+    inner = rollout.resume
+    fired = []
 
-    @functools.wraps(method)
-    async def wrapper(self, *args, **kwargs):
-        session = _session_for(self)
-        if session is None:
-            return await method(self, *args, **kwargs)
-        await asyncio.to_thread(session.resume)
-        mode = signature.bind(self, *args, **kwargs).arguments.get("mode", "auto")
-        backend = mode if mode != "auto" else self.config.rollout.checkpoint_engine.backend
-        if backend != "naive" or getattr(self, "rollout", None) is None:
-            _warn_once(f"backend {backend}", "amem_callbacks: checkpoint_engine backend %r: "
-                       "trainer and rollout do not share GPUs, nothing is suspended", backend)
-            return await method(self, *args, **kwargs)
-        rollout = self.rollout
-        shadowed = rollout.__dict__.get("resume")
-        inner = rollout.resume
-        fired = []
-
-        async def resume(*r_args, **r_kwargs):
-            tags = r_kwargs.get("tags", r_args[0] if r_args else ())
-            if "kv_cache" in tags and not fired:
-                fired.append(True)
-                await asyncio.to_thread(session.suspend)
-            return await inner(*r_args, **r_kwargs)
-
-        rollout.resume = resume
-        try:
-            result = await method(self, *args, **kwargs)
-        finally:
-            if shadowed is None:
-                del rollout.resume
-            else:
-                rollout.resume = shadowed
-        if not fired:  # free_cache_engine off: no KV cache comes back, suspend now
+    async def resume(*r_args, **r_kwargs):
+        tags = r_kwargs.get("tags", r_args[0] if r_args else ())
+        if "kv_cache" in tags and not fired:
+            fired.append(True)
             await asyncio.to_thread(session.suspend)
-        return result
+        return await inner(*r_args, **r_kwargs)
 
-    return wrapper
+    rollout.resume = resume
+    try:
+        result = await method(self, *args, **kwargs)
+    finally:
+        if shadowed is None:
+            del rollout.resume
+        else:
+            rollout.resume = shadowed
+    if not fired:  # free_cache_engine off: no KV cache comes back, suspend now
+        await asyncio.to_thread(session.suspend, False)
+    return result
 
 
 def _worker_methods(register, dispatch) -> dict:
@@ -344,85 +258,14 @@ def _worker_methods(register, dispatch) -> dict:
     return {"amem_rollout_ended": amem_rollout_ended, "amem_metrics": amem_metrics}
 
 
-# --- the driver side ------------------------------------------------------
-class _Driver:
-    """What the driver process knows: whether a config enabled amem, and whom to ask."""
-
-    def __init__(self):
-        self.enabled = False
-        self.worker_groups: list = []
-
-    def rollout_ended(self, worker_group) -> None:
-        method = getattr(worker_group, "amem_rollout_ended", None)
-        if method is None:
-            _warn_once("no method", "amem_callbacks: the actor worker group has no "
-                       "amem_rollout_ended (the hooks were installed after it was built): "
-                       "groups resume at the next training call instead")
-            return
-        if not any(wg is worker_group for wg in self.worker_groups):
-            self.worker_groups.append(worker_group)
-        method()
-
-    def metrics(self) -> dict:
-        out = {}
-        for worker_group in self.worker_groups:
-            try:
-                out.update(merge_rank_metrics(worker_group.amem_metrics()))
-            except Exception as exc:  # figures are advisory: never break the trainer's logging
-                _warn_once("metrics", "amem_callbacks: could not collect metrics: %s", exc)
-        return out
-
-
-_driver = _Driver()
-
-
-def merge_rank_metrics(per_rank) -> dict:
-    """One figure per key across ranks: the slowest rank for times, else the mean."""
-    per_rank = [m for m in per_rank or [] if m]
-    keys = sorted({k for m in per_rank for k in m})
-    out = {}
-    for key in keys:
-        values = [float(m[key]) for m in per_rank if key in m]
-        out[key] = max(values) if key.endswith("seconds") else sum(values) / len(values)
-    return out
-
-
-def _signal_after_sleep(coroutine_fn: Callable) -> Callable:
-    @functools.wraps(coroutine_fn)
-    async def sleep_replicas(self, *args, **kwargs):
-        result = await coroutine_fn(self, *args, **kwargs)
-        if _driver.enabled:
-            await asyncio.to_thread(_driver.rollout_ended, self.actor_wg)
-        return result
-
-    return sleep_replicas
-
-
-def _log_with_metrics(method: Callable) -> Callable:
-    @functools.wraps(method)
-    def log(self, data, step, *args, **kwargs):
-        extra = _driver.metrics() if _driver.enabled else {}
-        return method(self, {**data, **extra} if extra else data, step, *args, **kwargs)
-
-    return log
-
-
-def _check_config_after(method: Callable) -> Callable:
-    @functools.wraps(method)
-    def __post_init__(self, *args, **kwargs):
-        result = method(self, *args, **kwargs)
-        if read_settings(self.custom).enable:
-            _raise_hook_errors()
-            _driver.enabled = True
-        return result
-
-    return __post_init__
-
-
 # --- installing the wrappers ----------------------------------------------
 _hook_errors: list = []
-_warned: set = set()
-_MARK = "__amem_callbacks_hook__"
+_patches = Patches()
+
+
+def _after_config(result, config, *args, **kwargs) -> None:
+    if check_config_after(config):
+        _raise_hook_errors()
 
 
 def _raise_hook_errors() -> None:
@@ -432,60 +275,52 @@ def _raise_hook_errors() -> None:
                            f"(amem_callbacks supports verl 0.9.1): " + "; ".join(_hook_errors))
 
 
-def _warn_once(key: str, message: str, *args) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        logger.warning(message, *args)
-
-
-def _wrap(cls, name: str, make: Callable) -> None:
-    original = cls.__dict__.get(name)
-    if original is None:
-        raise AttributeError(f"{cls.__name__}.{name} not found")
-    if getattr(original, _MARK, False):
-        return
-    wrapper = make(original)
-    setattr(wrapper, _MARK, True)
-    setattr(cls, name, wrapper)
-
-
 def _patch_engine_workers(module) -> None:
     from verl.single_controller.base.decorator import Dispatch, register
 
     for class_name, names in RESUME_BEFORE.items():
         cls = getattr(module, class_name)
         for name in names:
-            _wrap(cls, name, _resume_first)
+            _patches.wrap(cls, name, before=_resume_first, required=True)
     worker = module.ActorRolloutRefWorker
-    _wrap(worker, "update_weights", _suspend_at_kv_cache)
-    _wrap(worker, "init_model", _validate_first)
+    _patches.wrap(worker, "update_weights", _suspend_at_kv_cache, required=True)
+    _patches.wrap(worker, "init_model", before=_validate_first, required=True)
     for name, method in _worker_methods(register, Dispatch).items():
-        if name not in worker.__dict__:
-            method.__qualname__ = f"{worker.__qualname__}.{name}"
-            setattr(method, _MARK, True)
-            setattr(worker, name, method)
+        method.__qualname__ = f"{worker.__qualname__}.{name}"
+        _patches.add(worker, name, method)
 
 
 def _patch_checkpoint_engine(module) -> None:
     from verl.utils.ray_utils import auto_await
 
-    def make(method):
+    def replace(method):
         # sleep_replicas is auto_await(async fn), and auto_await looks at its caller's
         # frame: wrap the coroutine function inside it and apply auto_await again.
         inner = inspect.unwrap(method, stop=inspect.iscoroutinefunction)
         if not inspect.iscoroutinefunction(inner):
             raise TypeError("CheckpointEngineManager.sleep_replicas is not a coroutine function")
-        return auto_await(_signal_after_sleep(inner))
+        return auto_await(_with_original(inner, signal_after_sleep))
 
-    _wrap(module.CheckpointEngineManager, "sleep_replicas", make)
+    _patches.wrap(module.CheckpointEngineManager, "sleep_replicas", replace=replace,
+                  required=True)
+
+
+def _with_original(original, around):
+    import functools
+
+    @functools.wraps(original)
+    async def wrapped(*args, **kwargs):
+        return await around(original, *args, **kwargs)
+    return wrapped
 
 
 def _patch_tracking(module) -> None:
-    _wrap(module.Tracking, "log", _log_with_metrics)
+    _patches.wrap(module.Tracking, "log", log_with_metrics, required=True)
 
 
 def _patch_rollout_config(module) -> None:
-    _wrap(module.RolloutConfig, "__post_init__", _check_config_after)
+    _patches.wrap(module.RolloutConfig, "__post_init__", after=_after_config,
+                  required=True)
 
 
 _installed = False

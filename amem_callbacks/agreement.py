@@ -15,20 +15,22 @@ import collections
 import time
 from datetime import timedelta
 
-YES = "suspend"
-NO = "keep"
+from .states import Verdict
+
+# A vote, and an agreed value, is one store string "<verdict>|<detail>": the
+# backend name for SUSPEND, the reason for KEEP.
 
 
-def vote_yes(backend_name: str) -> str:
-    return f"{YES}|{backend_name}"
+def vote_suspend(backend_name: str) -> str:
+    return f"{Verdict.SUSPEND.value}|{backend_name}"
 
 
-def vote_no(reason: str) -> str:
-    return f"{NO}|{reason}"
+def vote_keep(reason: str) -> str:
+    return f"{Verdict.KEEP.value}|{reason}"
 
 
-def is_yes(value: str) -> bool:
-    return value.split("|", 1)[0] == YES
+def verdict_of(value: str) -> Verdict:
+    return Verdict.SUSPEND if value.split("|", 1)[0] == Verdict.SUSPEND.value else Verdict.KEEP
 
 
 def reason_of(value: str) -> str:
@@ -44,12 +46,13 @@ class Agreement:
         timeout_s: how long a leader waits for votes, and a member for outcomes.
     """
 
-    def __init__(self, store, rank: int, timeout_s: float, namespace: str = "amem_callbacks"):
+    def __init__(self, store, rank: int, timeout_s: float, namespace: str = "amem_callbacks",
+                 rounds: collections.Counter = None):
         self.store = store
         self.rank = rank
         self.timeout_s = timeout_s
         self.namespace = namespace
-        self._rounds = collections.Counter()
+        self._rounds = rounds if rounds is not None else collections.Counter()
 
     def _base(self, topic: str, key: str) -> tuple:
         round_no = self._rounds[(topic, key)]
@@ -106,7 +109,7 @@ class Agreement:
                 decision = _combine(votes)
             else:
                 late = [r for r, k in zip(members, vote_keys) if not self.store.check([k])]
-                decision = vote_no(f"rank(s) {late} did not reach this transition within "
+                decision = vote_keep(f"rank(s) {late} did not reach this transition within "
                                    f"{self.timeout_s:g} s")
             self.store.compare_set(f"{base}/decision", "", decision)
 
@@ -116,7 +119,7 @@ class Agreement:
             dkey = f"{bases[key]}/decision"
             if not self._wait([dkey], member_deadline):
                 self.store.compare_set(
-                    dkey, "", vote_no(f"leader rank {min(members)} did not decide within "
+                    dkey, "", vote_keep(f"leader rank {min(members)} did not decide within "
                                       f"{2 * self.timeout_s:g} s"))
             decisions[key] = self.store.get(dkey).decode()
         return decisions
@@ -144,12 +147,31 @@ class Agreement:
         return result
 
 
+# Round numbers must continue across every policy of a process: two policies
+# that started both at round 0 would read each other's stored decisions, and a
+# rank whose plan keeps a group could meet a peer that read a stale "suspend"
+# (measured: a suspend waiting forever for its peer). Every rank makes the same
+# collective calls in the same order, whatever policy object makes them.
+_shared_rounds: dict = {}  # the default process group -> its round counter
+
+
+def shared_rounds(default_group) -> collections.Counter:
+    """The round counter of every Agreement over ``default_group``'s store."""
+    for group, rounds in _shared_rounds.items():
+        if group is default_group:
+            return rounds
+    _shared_rounds.clear()  # a new default group (re-initialised): a new store, start again
+    rounds = _shared_rounds[default_group] = collections.Counter()
+    return rounds
+
+
 def _combine(votes: dict) -> str:
     """All members say suspend with the same backend -> suspend; else keep, saying why."""
-    refusals = [f"rank {r}: {reason_of(v)}" for r, v in sorted(votes.items()) if not is_yes(v)]
+    refusals = [f"rank {r}: {reason_of(v)}" for r, v in sorted(votes.items()) 
+                if verdict_of(v) is not Verdict.SUSPEND]
     if refusals:
-        return vote_no("; ".join(refusals))
+        return vote_keep("; ".join(refusals))
     backends = {reason_of(v) for v in votes.values()}
     if len(backends) > 1:
-        return vote_no(f"ranks use different backends {sorted(backends)}")
+        return vote_keep(f"ranks use different backends {sorted(backends)}")
     return next(iter(votes.values()))

@@ -15,16 +15,11 @@ from typing import Optional
 
 from .backends.base import CommMemory
 
-#: Roles the adapters use; ``keep`` accepts these before the groups exist.
-KNOWN_ROLES = (
-    "world", "dp", "dp_cp", "cp", "tp", "pp", "mp", "ep", "tp_dp", "tp_dp_cp",
-    "expert_tp", "expert_dp", "tp_ep", "tp_ep_pp", "intra_dp_cp", "inter_dist_opt",
-    "embd", "pos_embd", "hierarchical_cp", "intra_expert_dp", "inter_expert_dp",
-    "vllm_tp", "model_parallel", "tp_cp", "dp_cp_ag", "hybrid_dp_cp", "intra_dist_opt",
-)
-
 # group key -> role, set by adapters or users before or after the policy exists.
 _roles: dict = {}
+# Role names ``keep`` accepts before the groups exist: "world", plus what the
+# adapters (Megatron's parallel_state roles, TRL's vLLM groups, ...) register.
+_vocabulary: set = {"world"}
 
 
 def name_group(group, role: str) -> None:
@@ -34,8 +29,18 @@ def name_group(group, role: str) -> None:
     _roles[group.group_name] = role
 
 
+def register_roles(names) -> None:
+    """Declare role names that ``keep`` may list before any group has them (an
+    adapter calls this with its framework's vocabulary when it is imported)."""
+    bad = [n for n in names if not isinstance(n, str) or not n]
+    if bad:
+        raise ValueError(f"role names are non-empty strings, got {bad!r}")
+    _vocabulary.update(names)
+
+
 def registered_roles() -> set:
-    return set(_roles.values())
+    """Every role name known now: registered vocabularies and roles given to groups."""
+    return _vocabulary | set(_roles.values())
 
 
 @dataclass
@@ -51,6 +56,7 @@ class GroupInfo:
     memory: Optional[CommMemory] = None
     memory_error: Optional[str] = None
     aliases: frozenset = field(default_factory=frozenset)
+    transport: str = ""  # "intra-node" or "network (N hosts)", from the placement
 
     @property
     def size(self) -> int:
@@ -79,10 +85,11 @@ def _describe(group, default_group) -> tuple:
     return key, name, frozenset(aliases)
 
 
-def discover(backend, only=None) -> list:
+def discover(backend, only=None, placement=None) -> list:
     """Every group this rank belongs to, sorted by key (the same order on all ranks).
 
-    ``only`` restricts discovery to the given process groups.
+    ``only`` restricts discovery to the given process groups; ``placement``
+    (where every rank runs) tells each group's transport.
     """
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
@@ -97,7 +104,8 @@ def discover(backend, only=None) -> list:
             continue
         key, name, aliases = _describe(group, default_group)
         ranks = tuple(sorted(dist.get_process_group_ranks(group)))
-        info = GroupInfo(group=group, key=key, name=name, ranks=ranks, aliases=aliases)
+        info = GroupInfo(group=group, key=key, name=name, ranks=ranks, aliases=aliases,
+                         transport=placement.transport(ranks) if placement else "")
         info.handle, info.why_no_handle = backend.communicator(group)
         if info.handle is not None:
             try:

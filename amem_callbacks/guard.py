@@ -20,20 +20,36 @@ own functions are back in place and cost nothing.
 
 from __future__ import annotations
 
+import enum
 import functools
 import inspect
 import sys
 import threading
+from typing import Protocol
 
-COLLECTIVE = "collective"
-P2P = "p2p"
-P2P_BATCH = "p2p_batch"
-CREATE = "create"
-DESTROY = "destroy"
+
+class CallKind(str, enum.Enum):
+    """What a guarded torch.distributed function does to its group."""
+
+    COLLECTIVE = "collective"
+    P2P = "p2p"
+    P2P_BATCH = "p2p_batch"
+    CREATE = "create"
+    DESTROY = "destroy"
+
+
+class GroupOwner(Protocol):
+    """What the guard needs from whoever watches a group (the transitions engine)."""
+
+    def before_use(self, group, kind: CallKind, call: str) -> None:
+        """Make ``group`` usable before ``call`` runs on it, or raise with the fix."""
+
+    def forget(self, group) -> None:
+        """``group`` is being destroyed: never touch it again."""
 
 #: torch.distributed function -> (kind, name of its group parameter)
 GUARDED_FUNCTIONS = {
-    **{name: (COLLECTIVE, "group") for name in (
+    **{name: (CallKind.COLLECTIVE, "group") for name in (
         "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_coalesced",
         "all_gather_into_tensor", "_all_gather_base", "all_gather_single", "all_gather_object",
         "gather", "reduce_scatter_single",
@@ -43,21 +59,21 @@ GUARDED_FUNCTIONS = {
         "monitored_barrier")},
     # isend/irecv are left alone: P2POp and batch_isend_irecv compare them by
     # identity, so a wrapper would break batched point-to-point calls.
-    **{name: (P2P, "group") for name in ("send", "recv", "send_object_list", "recv_object_list")},
-    "batch_isend_irecv": (P2P_BATCH, "p2p_op_list"),
-    "new_group": (CREATE, None),
-    "split_group": (CREATE, "parent_pg"),
-    "destroy_process_group": (DESTROY, "group"),
+    **{name: (CallKind.P2P, "group")
+       for name in ("send", "recv", "send_object_list", "recv_object_list")},
+    "batch_isend_irecv": (CallKind.P2P_BATCH, "p2p_op_list"),
+    "new_group": (CallKind.CREATE, None),
+    "split_group": (CallKind.CREATE, "parent_pg"),
+    "destroy_process_group": (CallKind.DESTROY, "group"),
 }
 
-# process group -> owner (an object with ``_before_use(group, kind, call)`` and
-# ``_forget(group)``). Empty whenever nothing is suspended: the fast path.
+# process group -> its GroupOwner. Empty whenever nothing is suspended: the fast path.
 _guarded: dict = {}
 _lock = threading.Lock()
 _originals: dict = {}
 
 
-def watch(group, owner) -> None:
+def watch(group, owner: GroupOwner) -> None:
     """Route calls on ``group`` through ``owner``; wraps torch.distributed on first use."""
     install()
     with _lock:
@@ -83,7 +99,7 @@ def _group_argument(args, kwargs, position, name):
 
 
 def _wrap(fn, kind, param):
-    if kind in (COLLECTIVE, P2P):
+    if kind in (CallKind.COLLECTIVE, CallKind.P2P):
         fast = _fast_wrapper(fn, kind, param)
         if fast is not None:
             return fast
@@ -106,7 +122,7 @@ def _wrap(fn, kind, param):
     return guarded
 
 
-_FAST_NAMES = ("_amem_fn", "_amem_guarded", "_amem_check", "_amem_defaults")
+_FAST_NAMES = ("_amem_fn", "_amem_guarded", "_amem_check", "_amem_defaults", "_amem_kind")
 
 
 def _fast_wrapper(fn, kind, param):
@@ -155,10 +171,10 @@ def _fast_wrapper(fn, kind, param):
     source = (
         f"def {fn.__name__}({', '.join(head)}):\n"
         f"    if _amem_guarded and ({param} is None or {param} in _amem_guarded):\n"
-        f"        _amem_check({fn.__name__!r}, {kind!r}, {param})\n"
+        f"        _amem_check({fn.__name__!r}, _amem_kind, {param})\n"
         f"    return _amem_fn({', '.join(call)})\n")
     namespace = {"_amem_fn": fn, "_amem_guarded": _guarded, "_amem_check": _check_or_default,
-                 "_amem_defaults": defaults}
+                 "_amem_defaults": defaults, "_amem_kind": kind}
     exec(compile(source, f"<amem_callbacks guard for {fn.__name__}>", "exec"), namespace)
     guarded = functools.wraps(fn)(namespace[fn.__name__])
     guarded.__amem_original__ = fn
@@ -170,21 +186,21 @@ def _default_group():
 
 
 def _before(call: str, kind: str, group, kwargs) -> None:
-    if kind == P2P_BATCH:
+    if kind == CallKind.P2P_BATCH:
         for op in group or ():
-            _check_or_default(call, P2P, op.group)
+            _check_or_default(call, CallKind.P2P, op.group)
         return
-    if kind == CREATE:
+    if kind == CallKind.CREATE:
         if kwargs.get("use_local_synchronization"):
             return  # only the new group's members call it: not a collective on the parent
-        _check_or_default(call, COLLECTIVE, group)
+        _check_or_default(call, CallKind.COLLECTIVE, group)
         return
-    if kind == DESTROY:
+    if kind == CallKind.DESTROY:
         targets = list(_guarded) if group is None else [group]
         for target in targets:
             owner = _guarded.get(target)
             if owner is not None:
-                owner._forget(target)
+                owner.forget(target)
         return
     _check_or_default(call, kind, group)
 
@@ -196,7 +212,7 @@ def _check_or_default(call: str, kind: str, group) -> None:
 def _check(call: str, kind: str, group) -> None:
     owner = _guarded.get(group)
     if owner is not None:
-        owner._before_use(group, kind, call)
+        owner.before_use(group, kind, call)
 
 
 def install() -> None:

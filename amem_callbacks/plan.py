@@ -10,15 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-SUSPEND = "suspend"
-KEEP = "keep"
+from .states import Verdict
 
 
 @dataclass(frozen=True)
 class Decision:
     key: str
     name: str
-    action: str
+    action: Verdict
     reason: str = ""
 
 
@@ -27,7 +26,7 @@ def _mib(n: int) -> str:
 
 
 def make_plan(groups, phase: str, keep, min_bytes: int, host_cap: Optional[int],
-              process_wide: bool, backend_name: str) -> list:
+              process_wide: bool, backend_name: str, learned: Optional[dict] = None) -> list:
     """One :class:`Decision` per group, in the order of ``groups``.
 
     Args:
@@ -37,16 +36,20 @@ def make_plan(groups, phase: str, keep, min_bytes: int, host_cap: Optional[int],
             costs hundreds of ms whatever the size).
         host_cap: most bytes NCCL may copy to pinned host memory in total.
         process_wide: the backend cannot keep single groups (AMem).
+        learned: group key -> reason, for keeps learned from guard resumes.
     """
+    learned = learned or {}
     decisions = []
     seen_handles = {}
     host_total = 0
     for info in groups:
         def keep_because(reason, info=info):
-            decisions.append(Decision(info.key, info.name, KEEP, reason))
+            decisions.append(Decision(info.key, info.name, Verdict.KEEP, reason))
 
         if info.matches(keep):
             keep_because(f"kept active for phase {phase!r}")
+        elif info.key in learned:
+            keep_because(learned[info.key])
         elif info.handle is None:
             keep_because(info.why_no_handle or "no communicator")
         elif info.memory_error:
@@ -66,15 +69,17 @@ def make_plan(groups, phase: str, keep, min_bytes: int, host_cap: Optional[int],
             seen_handles[_handle_key(info.handle)] = info.name
             if info.memory is not None:
                 host_total += info.memory.suspendable
-            decisions.append(Decision(info.key, info.name, SUSPEND))
+            decisions.append(Decision(info.key, info.name, Verdict.SUSPEND))
 
     if process_wide:
         kept_nccl = [d.name for d, g in zip(decisions, groups)
-                     if d.action == KEEP and g.handle is not None and g.matches(keep)]
+                     if d.action is Verdict.KEEP and g.handle is not None
+                     and (g.matches(keep) or g.key in learned)]
         if kept_nccl:
             reason = (f"backend {backend_name!r} pauses every communicator of the process, so it "
                       f"cannot keep {kept_nccl} active; use backend='nccl' or an empty keep list")
-            decisions = [Decision(d.key, d.name, KEEP, d.reason if d.action == KEEP else reason)
+            decisions = [Decision(d.key, d.name, Verdict.KEEP,
+                                  d.reason if d.action is Verdict.KEEP else reason)
                          for d in decisions]
     return decisions
 

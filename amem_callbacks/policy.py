@@ -9,16 +9,17 @@ import time
 from typing import Iterable, Mapping, Optional, Union
 
 from .backends import CHOICES, select_backend, validate_backend_name
+from .learning import LearnedKeeps
+from .options import check_number, check_phase, normalise_keep
 from .report import Counters, TransitionReport
+from .states import GuardMode, Kind
 
 logger = logging.getLogger("amem_callbacks")
 
-GUARD_MODES = ("resume", "strict", "off")
 DEFAULT_MIN_BYTES = 16 * 2**20
-# Measured on 2xH200, 8 groups, after the device-binding fix (results/bench.json):
-# one transition takes suspend 2.88 / 2.42 / 2.48 s and resume 1.89 / 1.44 / 1.36 s
-# with 1 / 4 / 8 threads, and the memory freed by worker threads stays 99.9 % of
-# NCCL's suspendable bytes. More than 4 buys nothing: NCCL's own barriers dominate.
+# Measured on 2xH200, 8 groups (results/bench.json): one transition takes
+# suspend 2.63 / 2.41 / 2.38 s and resume 2.01 / 1.46 / 1.27 s with 1 / 4 / 8
+# threads; past 4 threads NCCL's own barriers dominate.
 DEFAULT_WORKERS = 4
 
 
@@ -35,11 +36,16 @@ class OffloadPolicy:
         keep: names of groups the phase still uses (roles such as "tp", a
             ``group_desc``, "world"), for every phase; or a dict
             ``{phase: names}``.
+        learn_keep: a group the guard had to resume during a phase stays
+            active in that phase from the next ``begin`` on (see
+            :mod:`amem_callbacks.learning`); ``forget_learned()`` undoes it.
         min_bytes: groups with less suspendable NCCL memory stay active.
         guard: "resume" (a call on a suspended group resumes it first),
             "strict" (such a call raises), or "off".
         overlap: ``begin``/``end`` return at once and the transition runs in
             the background; a call on a group waits for it (via the guard).
+            With ``guard="off"`` nothing would make a call wait, so ``end``
+            waits for its resumes itself.
         workers: threads that suspend/resume the groups of one transition
             concurrently (each communicator has its own barrier); 1 runs them
             one after another. See DEFAULT_WORKERS for the measurement.
@@ -51,7 +57,8 @@ class OffloadPolicy:
             groups past the cap stay active.
         groups: consider only these process groups (default: all).
         backend_options: per-backend keyword arguments, e.g.
-            ``{"amem": {"library_path": "...", "group_id": 1}}``.
+            ``{"amem": {"library_path": "...", "group_id": 1}}`` or
+            ``{"nccl": {"path": "torch"}}``.
         device: the CUDA device index this rank's communicators live on;
             default: the current device of the thread that calls the first
             ``begin`` (pass it when that thread is not the training thread).
@@ -64,30 +71,32 @@ class OffloadPolicy:
 
     def __init__(self, backend: Union[str, object] = "auto",
                  keep: Union[Iterable[str], Mapping[str, Iterable[str]]] = (), *,
-                 min_bytes: int = DEFAULT_MIN_BYTES, guard: str = "resume",
-                 overlap: bool = False, workers: int = DEFAULT_WORKERS, timeout_s: Optional[float] = None,
-                 agree_timeout_s: float = 120.0, host_memory_cap_bytes: Optional[int] = None,
-                 groups: Optional[Iterable] = None, backend_options: Optional[dict] = None,
-                 device: Optional[int] = None):
+                 learn_keep: bool = True, min_bytes: int = DEFAULT_MIN_BYTES,
+                 guard: str = "resume", overlap: bool = False, workers: int = DEFAULT_WORKERS,
+                 timeout_s: Optional[float] = None, agree_timeout_s: float = 120.0,
+                 host_memory_cap_bytes: Optional[int] = None, groups: Optional[Iterable] = None,
+                 backend_options: Optional[dict] = None, device: Optional[int] = None):
         if isinstance(backend, str):
             validate_backend_name(backend)
         elif not all(hasattr(backend, a) for a in ("check", "suspend", "resume", "communicator")):
             raise ValueError(f"backend must be one of {CHOICES} or a Backend instance, "
                              f"got {backend!r}")
-        if guard not in GUARD_MODES:
-            raise ValueError(f"unknown guard mode {guard!r}: write one of {GUARD_MODES}")
-        _check_number("min_bytes", min_bytes, minimum=0, integer=True)
-        _check_number("workers", workers, minimum=1, integer=True)
-        _check_number("agree_timeout_s", agree_timeout_s, minimum=0, exclusive=True)
+        if guard not in tuple(GuardMode):
+            raise ValueError(f"unknown guard mode {guard!r}: write one of "
+                             f"{tuple(m.value for m in GuardMode)}")
+        check_number("min_bytes", min_bytes, minimum=0, integer=True)
+        check_number("workers", workers, minimum=1, integer=True)
+        check_number("agree_timeout_s", agree_timeout_s, minimum=0, exclusive=True)
         if timeout_s is not None:
-            _check_number("timeout_s", timeout_s, minimum=0, exclusive=True)
+            check_number("timeout_s", timeout_s, minimum=0, exclusive=True)
         if host_memory_cap_bytes is not None:
-            _check_number("host_memory_cap_bytes", host_memory_cap_bytes, minimum=0,
-                          integer=True)
+            check_number("host_memory_cap_bytes", host_memory_cap_bytes, minimum=0,
+                         integer=True)
         if device is not None:
-            _check_number("device", device, minimum=0, integer=True)
-        if not isinstance(overlap, bool):
-            raise ValueError(f"overlap must be True or False, got {overlap!r}")
+            check_number("device", device, minimum=0, integer=True)
+        for flag, value in (("overlap", overlap), ("learn_keep", learn_keep)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{flag} must be True or False, got {value!r}")
         if backend_options is not None and not isinstance(backend_options, dict):
             raise ValueError("backend_options must be a dict such as "
                              "{'amem': {'library_path': '/path/libnccl.so.2'}}")
@@ -95,10 +104,11 @@ class OffloadPolicy:
         if unknown_options:
             raise ValueError(f"backend_options has unknown backends {sorted(unknown_options)}: "
                              f"use {CHOICES[1:]}")
-        self._keep = _normalise_keep(keep)
+        self._keep = normalise_keep(keep)
         self.backend_spec = backend
+        self.learn_keep = learn_keep
         self.min_bytes = min_bytes
-        self.guard_mode = guard
+        self.guard_mode = GuardMode(guard)
         self.overlap = overlap
         self.workers = workers
         self.device = device
@@ -109,6 +119,8 @@ class OffloadPolicy:
         self._backend_options = backend_options or {}
         self.counters = Counters()
         self.last_report: Optional[TransitionReport] = None
+        self.learned = LearnedKeeps()
+        self.placement = None
         self.backend = None
         self.backend_description = ""
         self.inert = False
@@ -131,31 +143,33 @@ class OffloadPolicy:
         Defined corner cases: called while a phase is active, it does nothing
         and logs a warning; before ``init_process_group`` it does nothing.
         """
-        _check_phase(phase)
+        check_phase(phase)
         with self._lock:
             if self._phase is not None:
                 logger.warning("amem_callbacks: begin(%r) while phase %r is active: ignored",
                                phase, self._phase)
-                return self._skipped(phase, "begin", f"phase {self._phase!r} is already active")
+                return self._skipped(phase, Kind.BEGIN, f"phase {self._phase!r} is already active")
             self._phase = phase
             if not _distributed_ready():
-                return self._skipped(phase, "begin", "torch.distributed is not initialized")
+                return self._skipped(phase, Kind.BEGIN, "torch.distributed is not initialized")
             self._setup()
             if self.inert:
-                return self._skipped(phase, "begin", self.backend_description)
+                return self._skipped(phase, Kind.BEGIN, self.backend_description)
             self._wait_pending()
             self.counters.begins += 1
-            report = TransitionReport(phase=phase, kind="begin", backend=self.backend.name,
-                                      started=time.monotonic(), pending=True)
+            report = TransitionReport(phase=phase, kind=Kind.BEGIN, backend=self.backend.name,
+                                      started=time.monotonic(), pending=True,
+                                      device_shared_by=self.placement.sharing_my_device(),
+                                      learned=self.learned.by_phase().get(phase, {}))
             from .groups import discover
             from .memory import on_device
             from .plan import make_plan
 
             with on_device(self._engine.device):  # torch's pointer is per current device
-                groups = discover(self.backend, self._only)
+                groups = discover(self.backend, self._only, self.placement)
             plan = make_plan(groups, phase, self.keep_for(phase), self.min_bytes,
                              self.host_memory_cap_bytes, self.backend.process_wide,
-                             self.backend.name)
+                             self.backend.name, learned=self.learned.reasons(phase))
             return self._run(self._engine.begin(report, groups, plan), report)
 
     def end(self, phase: Optional[str] = None) -> TransitionReport:
@@ -165,22 +179,30 @@ class OffloadPolicy:
         other than the active one raises ValueError.
         """
         if phase is not None:
-            _check_phase(phase)
+            check_phase(phase)
         with self._lock:
             if self._phase is None:
                 logger.debug("amem_callbacks: end(%r) with no active phase: ignored", phase)
-                return self._skipped(phase or "", "end", "no phase is active")
+                return self._skipped(phase or "", Kind.END, "no phase is active")
             if phase is not None and phase != self._phase:
                 raise ValueError(f"end({phase!r}) but the active phase is {self._phase!r}: "
                                  f"call end({self._phase!r})")
             phase, self._phase = self._phase, None
             if self._engine is None:
-                return self._skipped(phase, "end", self.backend_description
+                return self._skipped(phase, Kind.END, self.backend_description
                                      or "torch.distributed is not initialized")
             self.counters.ends += 1
-            report = TransitionReport(phase=phase, kind="end", backend=self.backend.name,
-                                      started=time.monotonic(), pending=True)
-            return self._run(self._engine.end(report), report)
+            resumed = self._engine.take_guard_resumes()
+            if self.learn_keep and resumed:
+                self.learned.note(phase, resumed)
+            report = TransitionReport(phase=phase, kind=Kind.END, backend=self.backend.name,
+                                      started=time.monotonic(), pending=True,
+                                      device_shared_by=self.placement.sharing_my_device(),
+                                      learned=self.learned.by_phase().get(phase, {}))
+            report = self._run(self._engine.end(report), report)
+            if self.guard_mode is GuardMode.OFF:
+                self._wait_pending()  # nothing else holds a call back until its group is back
+            return report
 
     @contextlib.contextmanager
     def phase(self, name: str = "rollout"):
@@ -206,10 +228,18 @@ class OffloadPolicy:
             self._wait_pending(timeout_s)
             return self.last_report
 
-    def metrics(self, prefix: str = "amem/") -> dict:
-        """The last transition's figures and the running totals, flat."""
+    def forget_learned(self, phase: Optional[str] = None) -> None:
+        """Drop the learned keep-sets (of one phase, or all): after the model or
+        the process groups changed, the next phases learn afresh."""
+        self.learned.forget(phase)
+
+    def metrics(self, prefix: str = "amem/", last: bool = True) -> dict:
+        """Running totals, learned keeps and (``last``) the last finished transition, flat."""
         out = self.counters.as_dict(prefix)
-        if self.last_report is not None and not self.last_report.pending:
+        for phase, groups in self.learned.by_phase().items():
+            for name, count in groups.items():
+                out[f"{prefix}learned/{phase}/{name}"] = count
+        if last and self.last_report is not None and not self.last_report.pending:
             out.update(self.last_report.as_dict(prefix))
         return out
 
@@ -255,7 +285,7 @@ class OffloadPolicy:
             stuck = self._engine.unfinished_groups()
             raise TransitionTimeout(f"{exc} Groups not finished on this rank: {stuck}.") from None
 
-    def _skipped(self, phase: str, kind: str, why: str) -> TransitionReport:
+    def _skipped(self, phase: str, kind: Kind, why: str) -> TransitionReport:
         report = TransitionReport(phase=phase, kind=kind,
                                   backend=getattr(self.backend, "name", "none"), skipped=why)
         self.last_report = report
@@ -268,17 +298,21 @@ class OffloadPolicy:
         import torch.distributed as dist
         from torch.distributed import distributed_c10d as c10d
 
-        from .agreement import Agreement, is_yes, reason_of, vote_no, vote_yes
+        from .agreement import (Agreement, reason_of, shared_rounds, verdict_of, vote_keep,
+                                vote_suspend)
         from .memory import current_device
+        from .placement import exchange
+        from .states import Verdict
         from .transitions import Transitions
 
         backend, description, inert = select_backend(self.backend_spec, self._backend_options)
-        agreement = Agreement(c10d._get_default_store(), dist.get_rank(), self.agree_timeout_s)
+        agreement = Agreement(c10d._get_default_store(), dist.get_rank(), self.agree_timeout_s,
+                              rounds=shared_rounds(c10d._get_default_group()))
         world = tuple(range(dist.get_world_size()))
-        vote = vote_no(description) if inert else vote_yes(backend.name)
+        vote = vote_keep(description) if inert else vote_suspend(backend.name)
         agreed = agreement.decide({"__backend__": (world, vote)})["__backend__"]
         self.backend = backend
-        if not is_yes(agreed):
+        if verdict_of(agreed) is not Verdict.SUSPEND:
             if not inert:
                 logger.warning("amem_callbacks: not every rank can use backend %r (%s); "
                                "training runs unchanged", backend.name, reason_of(agreed))
@@ -289,10 +323,11 @@ class OffloadPolicy:
         device = self.device if self.device is not None else current_device()
         if hasattr(backend, "device"):
             backend.device = device
+        self.placement = exchange(agreement, world, dist.get_rank(), device)
         self._engine = Transitions(backend, agreement, device, self.timeout_s,
                                    self.counters, workers=self.workers,
-                                   strict=self.guard_mode == "strict",
-                                   guarded=self.guard_mode != "off")
+                                   strict=self.guard_mode is GuardMode.STRICT,
+                                   guarded=self.guard_mode is not GuardMode.OFF)
 
 
 def _distributed_ready() -> bool:
@@ -303,41 +338,3 @@ def _distributed_ready() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()
-
-
-def _check_phase(phase) -> None:
-    if not isinstance(phase, str) or not phase:
-        raise ValueError(f"a phase is a non-empty string such as 'rollout', got {phase!r}")
-
-
-def _check_number(name, value, minimum, integer=False, exclusive=False) -> None:
-    kind = int if integer else (int, float)
-    ok = isinstance(value, kind) and not isinstance(value, bool)
-    ok = ok and (value > minimum if exclusive else value >= minimum)
-    if not ok:
-        bound = f"> {minimum}" if exclusive else f">= {minimum}"
-        what = "an integer" if integer else "a number"
-        raise ValueError(f"{name} must be {what} {bound}, got {value!r}")
-
-
-def _normalise_keep(keep) -> dict:
-    """``keep`` as {phase or "*": frozenset(names)}, validated against known names."""
-    from .groups import KNOWN_ROLES, existing_group_names, registered_roles
-
-    if isinstance(keep, str):
-        raise ValueError(f"keep must be a list of group names, e.g. [{keep!r}], not a string")
-    by_phase = dict(keep) if isinstance(keep, Mapping) else {"*": keep}
-    valid = set(KNOWN_ROLES) | registered_roles() | existing_group_names()
-    out = {}
-    for phase, names in by_phase.items():
-        if isinstance(names, str):
-            raise ValueError(f"keep[{phase!r}] must be a list of group names, e.g. [{names!r}]")
-        names = frozenset(names)
-        unknown = sorted(n for n in names if not isinstance(n, str) or n not in valid)
-        if unknown:
-            raise ValueError(
-                f"unknown group name(s) {unknown} in keep: use group roles {sorted(valid)}, "
-                "or name your group first with amem_callbacks.name_group(group, 'name') or "
-                "new_group(..., group_desc='name')")
-        out[phase] = names
-    return out

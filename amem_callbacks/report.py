@@ -5,12 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-SUSPENDED = "suspended"
-RESUMED = "resumed"
-KEPT = "kept"
-FAILED = "failed"
-WOULD_SUSPEND = "would suspend"  # dry run (noop backend)
-WOULD_RESUME = "would resume"
+from .states import Kind, Outcome
+
 
 
 @dataclass
@@ -18,7 +14,7 @@ class GroupReport:
     key: str
     name: str
     size: int
-    action: str
+    action: Outcome
     reason: str = ""
     suspendable_bytes: Optional[int] = None
     persist_bytes: Optional[int] = None
@@ -29,6 +25,27 @@ class GroupReport:
     #: bytes of the group's other communicators the backend cannot reach, and why
     unreached_bytes: int = 0
     unreached_why: str = ""
+    #: "intra-node" or "network (N hosts)"
+    transport: str = ""
+
+    @property
+    def stays_bytes(self) -> int:
+        """Device bytes of this group that a suspend leaves allocated."""
+        return (self.persist_bytes or 0) + self.unreached_bytes
+
+    @property
+    def stays_why(self) -> str:
+        """Why those bytes stay, as far as NCCL and torch tell."""
+        parts = []
+        if self.persist_bytes:
+            what = ("network-transport buffers and NCCL's own state"
+                    if self.transport.startswith("network") else
+                    "NCCL's own state (and NVLS buffers where NVLS is on)")
+            parts.append(f"{self.persist_bytes / 2**20:.1f} MiB persistent per NCCL: {what}")
+        if self.unreached_bytes:
+            parts.append(f"{self.unreached_bytes / 2**20:.1f} MiB not reached: "
+                         f"{self.unreached_why}")
+        return "; ".join(parts)
 
 
 @dataclass
@@ -36,7 +53,7 @@ class TransitionReport:
     """What one ``begin`` or ``end`` did on this rank."""
 
     phase: str
-    kind: str  # "begin" or "end"
+    kind: Kind
     backend: str
     groups: list = field(default_factory=list)
     device_free_before: Optional[int] = None
@@ -52,26 +69,31 @@ class TransitionReport:
     #: some group went through torch's GIL-holding methods: the batch ran one
     #: call at a time and the caller waited for it, whatever ``overlap`` said
     gil_held: bool = False
+    #: ranks of this job on this GPU: above 1, the device_* figures are the
+    #: whole GPU's (every sharing rank's memory), not this rank's
+    device_shared_by: int = 1
+    #: group name -> guard resumes that made it a learned keep for this phase
+    learned: dict = field(default_factory=dict)
 
-    def _with(self, action: str) -> list:
+    def _with(self, action: Outcome) -> list:
         return [g for g in self.groups if g.action == action]
 
     @property
     def suspended(self) -> list:
-        return self._with(SUSPENDED)
+        return self._with(Outcome.SUSPENDED)
 
     @property
     def kept(self) -> list:
-        return self._with(KEPT)
+        return self._with(Outcome.KEPT)
 
     @property
     def failed(self) -> list:
-        return self._with(FAILED)
+        return self._with(Outcome.FAILED)
 
     @property
     def nccl_bytes(self) -> int:
         """NCCL's suspendable bytes of the groups this transition moved."""
-        moved = (SUSPENDED, RESUMED)
+        moved = (Outcome.SUSPENDED, Outcome.RESUMED)
         return sum(g.suspendable_bytes or 0 for g in self.groups if g.action in moved)
 
     @property
@@ -91,8 +113,8 @@ class TransitionReport:
         """Flat numbers for framework loggers (wandb, tensorboard, trainer.log)."""
         p = f"{prefix}{self.kind}/"
         out = {
-            p + "groups_suspended": len(self.suspended) if self.kind == "begin" else 0,
-            p + "groups_resumed": len(self._with(RESUMED)),
+            p + "groups_suspended": len(self.suspended) if self.kind is Kind.BEGIN else 0,
+            p + "groups_resumed": len(self._with(Outcome.RESUMED)),
             p + "groups_kept": len(self.kept),
             p + "groups_failed": len(self.failed),
             p + "nccl_bytes": self.nccl_bytes,
@@ -101,13 +123,19 @@ class TransitionReport:
             p + "wall_seconds": self.wall_seconds,
         }
         if self.device_freed_bytes is not None:
-            out[p + "device_freed_bytes"] = self.device_freed_bytes
+            # device-wide when the GPU is shared: the key says so
+            shared = "device_freed_bytes" if self.device_shared_by <= 1 else \
+                "gpu_wide_freed_bytes"
+            out[p + shared] = self.device_freed_bytes
+            out[p + "ranks_on_this_gpu"] = self.device_shared_by
         if self.host_rss_delta is not None:
             out[p + "host_rss_delta_bytes"] = self.host_rss_delta
+        out[p + "groups_learned_kept"] = len(self.learned)
         for g in self.groups:
-            if g.action in (SUSPENDED, RESUMED, FAILED):
+            if g.action in (Outcome.SUSPENDED, Outcome.RESUMED, Outcome.FAILED):
                 out[f"{p}group/{g.name}/seconds"] = g.seconds
                 out[f"{p}group/{g.name}/bytes"] = g.suspendable_bytes or 0
+                out[f"{p}group/{g.name}/stays_bytes"] = g.stays_bytes
         return out
 
     def summary(self) -> str:
@@ -115,7 +143,8 @@ class TransitionReport:
         if self.skipped:
             return f"{self.kind}({self.phase!r}): nothing done: {self.skipped}"
         parts = [f"{self.kind}({self.phase!r}) via {self.backend}:"]
-        for action in (SUSPENDED, RESUMED, WOULD_SUSPEND, WOULD_RESUME, FAILED):
+        for action in (Outcome.SUSPENDED, Outcome.RESUMED, Outcome.WOULD_SUSPEND,
+                       Outcome.WOULD_RESUME, Outcome.FAILED):
             names = [g.name for g in self._with(action)]
             if names:
                 parts.append(f"{action} {names}")
@@ -123,7 +152,12 @@ class TransitionReport:
             parts.append(f"kept {len(self.kept)}")
         parts.append(f"NCCL {self.nccl_bytes / 2**20:.0f} MiB")
         if self.device_freed_bytes is not None:
-            parts.append(f"device free {self.device_freed_bytes / 2**20:+.0f} MiB")
+            shared = (f" (whole GPU, {self.device_shared_by} ranks share it)"
+                      if self.device_shared_by > 1 else "")
+            parts.append(f"device free {self.device_freed_bytes / 2**20:+.0f} MiB{shared}")
+        stays = sum(g.stays_bytes for g in self.groups if g.action is Outcome.SUSPENDED)
+        if stays:
+            parts.append(f"{stays / 2**20:.0f} MiB stay (persistent or unreached)")
         parts.append(f"in {self.total_seconds:.3f} s")
         return " ".join(parts)
 

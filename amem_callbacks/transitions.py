@@ -18,21 +18,15 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from . import guard
-from .agreement import Agreement, is_yes, reason_of, vote_no, vote_yes
+from .agreement import Agreement, reason_of, verdict_of, vote_keep, vote_suspend
 from .errors import SuspendedGroupError, TransitionTimeout
 from .executor import SerialExecutor, Task
 from .groups import GroupInfo
 from .memory import device_free_bytes, host_rss_bytes
-from .plan import SUSPEND
-from .report import (FAILED, KEPT, RESUMED, SUSPENDED, WOULD_RESUME, WOULD_SUSPEND, Counters,
-                     GroupReport, TransitionReport)
+from .report import Counters, GroupReport, TransitionReport
+from .states import Kind, Outcome, Status, Verdict
 
 logger = logging.getLogger("amem_callbacks")
-
-ACTIVE = "active"
-SUSPENDING = "suspending"
-SUSPENDED_STATE = "suspended"
-BROKEN = "broken"
 
 PROCESS_KEY = "__process__"
 
@@ -42,22 +36,22 @@ class GroupState:
     """A group this policy has suspended or is suspending.
 
     ``status`` is written by the worker only; ``resume_queued`` by the caller
-    (``end`` or the guard); ``pending`` is set when the latest queued operation
-    on the group has finished.
+    (``end`` or the guard); ``finished`` is set once the latest operation
+    queued on the group has run.
     """
 
     info: GroupInfo
     timeout_s: float
-    status: str = SUSPENDING
+    status: Status = Status.SUSPENDING
     resume_queued: bool = False
-    pending: threading.Event = field(default_factory=threading.Event)
+    finished: threading.Event = field(default_factory=threading.Event)
     error: Optional[str] = None
     suspendable: Optional[int] = None
     #: every process group whose calls depend on this state (several for AMem)
     covers: tuple = ()
 
     def wait(self, what: str) -> None:
-        if not self.pending.wait(self.timeout_s):
+        if not self.finished.wait(self.timeout_s):
             raise TransitionTimeout(
                 f"{what} on group {self.info.name!r} did not finish within {self.timeout_s:g} s: "
                 "a peer rank is probably missing, dead or in a different phase. Stop the job.")
@@ -89,6 +83,7 @@ class Transitions:
         self.executor = SerialExecutor()
         self.states: dict = {}  # key -> GroupState, for groups not known to be active
         self.auto_resumed: list = []  # GroupReports of guard resumes since the last end()
+        self._guard_resumes: dict = {}  # group key -> (name, count) since the last end()
         self._warned_auto: set = set()
         self._warned_gil = False
 
@@ -98,8 +93,9 @@ class Transitions:
         import torch.distributed as dist
 
         world = tuple(range(dist.get_world_size()))
-        proposals = {g.key: (g.ranks, vote_yes(self.backend.name) if d.action == SUSPEND
-                             else vote_no(d.reason)) for g, d in zip(groups, plan)}
+        proposals = {g.key: (g.ranks, vote_suspend(self.backend.name)
+                             if d.action is Verdict.SUSPEND else vote_keep(d.reason))
+                     for g, d in zip(groups, plan)}
         if self.backend.process_wide:
             proposals = {PROCESS_KEY: (world, _process_vote(groups, plan, self.backend.name))}
         start = time.monotonic()
@@ -109,15 +105,16 @@ class Transitions:
         chosen = []
         for g, d in zip(groups, plan):
             value = agreed.get(PROCESS_KEY if self.backend.process_wide else g.key)
-            if is_yes(value) and d.action == SUSPEND:
+            if verdict_of(value) is Verdict.SUSPEND and d.action is Verdict.SUSPEND:
                 chosen.append(g)
-            elif d.action == SUSPEND and not self.backend.process_wide:
-                report.groups.append(_group_report(g, KEPT, "a peer rank refused: " + reason_of(value)))
+            elif d.action is Verdict.SUSPEND and not self.backend.process_wide:
+                report.groups.append(_group_report(g, Outcome.KEPT,
+                                                   "a peer rank refused: " + reason_of(value)))
             else:
-                reason = d.reason if d.action != SUSPEND else reason_of(value)
-                report.groups.append(_group_report(g, KEPT, reason))
-        work = [(s, _group_report(s.info, SUSPENDED, suspendable=s.suspendable,
-                                  path=self.backend.path_of(s.info.handle)), s.pending)
+                reason = d.reason if d.action is not Verdict.SUSPEND else reason_of(value)
+                report.groups.append(_group_report(g, Outcome.KEPT, reason))
+        work = [(s, _group_report(s.info, Outcome.SUSPENDED, suspendable=s.suspendable,
+                                  path=self.backend.path_of(s.info.handle)), s.finished)
                 for s in self._new_states(chosen, groups, world)]
         self._note_gil(report, work)
         return self.executor.submit(lambda: self._batch(report, work, self._suspend,
@@ -194,7 +191,7 @@ class Transitions:
     def _run_op(self, op: Callable, state: GroupState, rep: GroupReport,
                 done: threading.Event) -> None:
         """Run one operation and signal *its own* event: a later operation may
-        already be queued on the group with a newer ``state.pending``."""
+        already be queued on the group with a newer ``state.finished``."""
         start = time.monotonic()
         try:
             op(state, rep)
@@ -227,12 +224,13 @@ class Transitions:
         setattr(report, f"host_rss_{when}", host_rss_bytes())
 
     def _finish(self, report: TransitionReport) -> TransitionReport:
-        moved = [g for g in report.groups if g.action in (SUSPENDED, RESUMED, WOULD_SUSPEND,
-                                                          WOULD_RESUME, FAILED)]
+        moved = [g for g in report.groups if g.action in (
+            Outcome.SUSPENDED, Outcome.RESUMED, Outcome.WOULD_SUSPEND, Outcome.WOULD_RESUME,
+            Outcome.FAILED)]
         report.total_seconds = report.agree_seconds + sum(g.seconds for g in moved)
         report.wall_seconds = time.monotonic() - report.started
         self.counters.transition_seconds += report.total_seconds
-        if report.kind == "begin" and report.device_freed_bytes is not None:
+        if report.kind is Kind.BEGIN and report.device_freed_bytes is not None:
             self.counters.last_device_freed_bytes = report.device_freed_bytes
             self.counters.max_device_freed_bytes = max(self.counters.max_device_freed_bytes,
                                                        report.device_freed_bytes)
@@ -244,11 +242,11 @@ class Transitions:
     def _suspend(self, state: GroupState, rep: GroupReport) -> None:
         try:
             self.backend.suspend(state.info.handle)
-            state.status = SUSPENDED_STATE
-            rep.action = WOULD_SUSPEND if self.backend.dry_run else SUSPENDED
+            state.status = Status.SUSPENDED
+            rep.action = Outcome.WOULD_SUSPEND if self.backend.dry_run else Outcome.SUSPENDED
             self.counters.group_suspends += 1
         except Exception as exc:
-            rep.action, rep.error = FAILED, str(exc)
+            rep.action, rep.error = Outcome.FAILED, str(exc)
             self.counters.failures += 1
             logger.error("amem_callbacks: suspending group %r failed, it stays active: %s",
                          state.info.name, exc)
@@ -259,10 +257,10 @@ class Transitions:
                 self._mark_active(state)
 
     def _resume(self, state: GroupState, rep: GroupReport) -> None:
-        if state.status == BROKEN:
-            rep.action, rep.error = FAILED, state.error
-        elif state.status != SUSPENDED_STATE:  # its suspend failed and was undone
-            rep.action, rep.reason = KEPT, "its suspend had failed"
+        if state.status is Status.BROKEN:
+            rep.action, rep.error = Outcome.FAILED, state.error
+        elif state.status is not Status.SUSPENDED:  # its suspend failed and was undone
+            rep.action, rep.reason = Outcome.KEPT, "its suspend had failed"
         else:
             self._resume_or_break(state, rep)
 
@@ -279,12 +277,12 @@ class Transitions:
                     self.backend.resume(state.info.handle)
                 except Exception as second:
                     self.counters.failures += 1
-                    rep.action = FAILED
+                    rep.action = Outcome.FAILED
                     self._mark_broken(state, rep, f"resume failed twice: {first}; {second}")
                     return
         self.counters.group_resumes += 1
-        if self.backend.dry_run and rep.action == RESUMED:
-            rep.action = WOULD_RESUME
+        if self.backend.dry_run and rep.action is Outcome.RESUMED:
+            rep.action = Outcome.WOULD_RESUME
         self._mark_active(state)
 
     def _peer_outcomes(self, work, succeeded: Callable, what: str):
@@ -303,11 +301,11 @@ class Transitions:
 
     def _close_begin(self, report: TransitionReport, work) -> None:
         for state, rep, failed in self._peer_outcomes(
-                work, lambda s: s.status == SUSPENDED_STATE, "suspending"):
-            if failed and state.status == SUSPENDED_STATE:
+                work, lambda s: s.status is Status.SUSPENDED, "suspending"):
+            if failed and state.status is Status.SUSPENDED:
                 # Ranks must agree on the state: undo ours so the group is active everywhere.
                 self._resume_or_break(state, rep)
-                rep.action = FAILED
+                rep.action = Outcome.FAILED
                 rep.reason = f"rank(s) {failed} failed to suspend it; resumed here too"
             report.groups.append(rep)
 
@@ -317,25 +315,26 @@ class Transitions:
         report.groups.extend(self.auto_resumed)
         self.auto_resumed = []
         states = [s for _k, s in sorted(self.states.items())
-                  if not s.resume_queued and s.status in (SUSPENDING, SUSPENDED_STATE)]
+                  if not s.resume_queued and s.status in (Status.SUSPENDING, Status.SUSPENDED)]
         work = []
         for state in states:
             state.resume_queued = True
-            state.pending = threading.Event()
-            work.append((state, _group_report(state.info, RESUMED, suspendable=state.suspendable,
+            state.finished = threading.Event()
+            work.append((state, _group_report(state.info, Outcome.RESUMED,
+                                              suspendable=state.suspendable,
                                               path=self.backend.path_of(state.info.handle)),
-                         state.pending))
+                         state.finished))
         self._note_gil(report, work)
         return self.executor.submit(lambda: self._batch(report, work, self._resume,
                                                         self._close_end), "end transition")
 
     def _close_end(self, report: TransitionReport, work) -> None:
         for state, rep, failed in self._peer_outcomes(
-                work, lambda s: s.status != BROKEN, "resuming"):
-            if failed and state.status != BROKEN:
+                work, lambda s: s.status is not Status.BROKEN, "resuming"):
+            if failed and state.status is not Status.BROKEN:
                 # Unusable on a peer: a call here would wait for it forever, so raise instead.
                 self._watch_again(state)
-                rep.action = FAILED
+                rep.action = Outcome.FAILED
                 self._mark_broken(state, rep, f"rank(s) {failed} could not resume it")
             report.groups.append(rep)
 
@@ -349,7 +348,7 @@ class Transitions:
             return None
 
     def _mark_active(self, state: GroupState) -> None:
-        state.status = ACTIVE
+        state.status = Status.ACTIVE
         self.states.pop(state.info.key, None)
         for group in state.covers:
             guard.unwatch(group)
@@ -361,27 +360,32 @@ class Transitions:
                 guard.watch(group, self)
 
     def _mark_broken(self, state: GroupState, rep: GroupReport, why: str) -> None:
-        state.status = BROKEN
+        state.status = Status.BROKEN
         state.error = rep.error = why
         logger.error("amem_callbacks: group %r is in an unknown state (%s); calls on it will "
                      "raise. Restart the job.", state.info.name, why)
 
+    def take_guard_resumes(self) -> dict:
+        """Group key -> (name, count) of the guard resumes since the last call."""
+        taken, self._guard_resumes = self._guard_resumes, {}
+        return taken
+
     def unfinished_groups(self) -> list:
         """Names of the groups whose latest queued operation has not finished."""
-        return [s.info.name for _k, s in sorted(self.states.items()) if not s.pending.is_set()]
+        return [s.info.name for _k, s in sorted(self.states.items()) if not s.finished.is_set()]
 
     def longest_timeout_s(self) -> float:
         """A batch may take as long as its slowest group's c10d timeout."""
         return max((s.timeout_s for s in self.states.values()), default=self.timeout_s or 1800.0)
 
-    # --- what the guard asks ---------------------------------------------
+    # --- what the guard asks (guard.GroupOwner) ---------------------------
     def _state_of(self, group) -> Optional[GroupState]:
         for state in list(self.states.values()):
             if group in state.covers:
                 return state
         return None
 
-    def _forget(self, group) -> None:
+    def forget(self, group) -> None:
         """The group is being destroyed: never resume it later."""
         state = self._state_of(group)
         if state is not None:
@@ -392,7 +396,7 @@ class Transitions:
             if not state.covers:
                 self.states.pop(state.info.key, None)
 
-    def _before_use(self, group, kind: str, call: str) -> None:
+    def before_use(self, group, kind: guard.CallKind, call: str) -> None:
         """Make ``group`` usable before ``call`` runs on it, or raise with the fix."""
         state = self._state_of(group)
         if state is None:
@@ -400,17 +404,17 @@ class Transitions:
         name = state.info.name
         if state.resume_queued:  # end() or another call already resumes it: just wait
             state.wait(f"{call} waiting for the resume")
-            if state.status == BROKEN:
+            if state.status is Status.BROKEN:
                 raise SuspendedGroupError(f"{call}: resuming group {name!r} failed: {state.error}")
             return
-        if state.status == BROKEN:
+        if state.status is Status.BROKEN:
             raise SuspendedGroupError(f"{call} on group {name!r}, whose suspend/resume failed: "
                                       f"{state.error}. Restart the job.")
         if self.strict:
             raise SuspendedGroupError(
                 f"{call} on group {name!r} while it is suspended (guard='strict'). Fix: add "
                 f"{name!r} to keep=, or call end() first, or use guard='resume'.")
-        if kind == "p2p" and len(state.info.ranks) != 2:
+        if kind is guard.CallKind.P2P and len(state.info.ranks) != 2:
             raise SuspendedGroupError(
                 f"{call} on suspended group {name!r}: resuming is collective over its "
                 f"{len(state.info.ranks)} ranks but a point-to-point call involves two, so it "
@@ -422,12 +426,14 @@ class Transitions:
                 "process: only a call on the default group can resume it safely. Fix: call "
                 "end() first, or use backend='nccl' and keep this group.")
         state.wait(f"{call} waiting for the suspend")
-        if state.status != SUSPENDED_STATE:
+        if state.status is not Status.SUSPENDED:
             return
-        rep = _group_report(state.info, RESUMED, f"resumed by the guard: {call} was called on it",
-                            suspendable=state.suspendable)
+        rep = _group_report(state.info, Outcome.RESUMED,
+                            f"resumed by the guard: {call} was called on it",
+                            suspendable=state.suspendable,
+                            path=self.backend.path_of(state.info.handle))
         state.resume_queued = True
-        state.pending = done = threading.Event()
+        state.finished = done = threading.Event()
         def resume_now():
             self._bind_device()
             self._run_op(self._resume, state, rep, done)
@@ -436,12 +442,14 @@ class Transitions:
         task.wait(state.timeout_s)
         self.counters.auto_resumes += 1
         self.auto_resumed.append(rep)
+        name_count = self._guard_resumes.get(state.info.key, (name, 0))
+        self._guard_resumes[state.info.key] = (name, name_count[1] + 1)
         if name not in self._warned_auto:
             self._warned_auto.add(name)
             logger.warning("amem_callbacks: %s on suspended group %r: resumed it first "
                            "(%.3f s). Keep it active in this phase to avoid the cost.",
                            call, name, rep.seconds)
-        if state.status == BROKEN:
+        if state.status is Status.BROKEN:
             raise SuspendedGroupError(f"{call}: resuming group {name!r} failed: {state.error}")
 
 
@@ -453,13 +461,13 @@ def _ranks(group) -> list:
 
 def _process_vote(groups, plan, backend_name: str) -> str:
     """A process-wide backend pauses all or nothing: one vote for the whole process."""
-    if any(d.action == SUSPEND for d in plan):
-        return vote_yes(backend_name)
+    if any(d.action is Verdict.SUSPEND for d in plan):
+        return vote_suspend(backend_name)
     reasons = [d.reason for g, d in zip(groups, plan) if g.handle is not None]
-    return vote_no(reasons[0] if reasons else "no communicator to pause")
+    return vote_keep(reasons[0] if reasons else "no communicator to pause")
 
 
-def _group_report(info: GroupInfo, action: str, reason: str = "",
+def _group_report(info: GroupInfo, action: Outcome, reason: str = "",
                   suspendable: Optional[int] = None, path: str = "") -> GroupReport:
     memory = info.memory
     return GroupReport(
@@ -468,4 +476,5 @@ def _group_report(info: GroupInfo, action: str, reason: str = "",
             memory.suspendable if memory else None),
         persist_bytes=memory.persist if memory else None,
         unreached_bytes=memory.unreached if memory else 0,
-        unreached_why=memory.unreached_why if memory else "", path=path)
+        unreached_why=memory.unreached_why if memory else "", path=path,
+        transport=info.transport)

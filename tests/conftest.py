@@ -16,7 +16,7 @@ def fake_nccl_dir(tmp_path_factory):
 
 
 def pytest_collection_modifyitems(config, items):
-    """GPU tests run only where CUDA sees at least two GPUs (the device machine)."""
+    """GPU tests run only where CUDA sees a GPU (the device machine); one is enough."""
     if not any("gpu" in item.keywords for item in items):
         return
     try:
@@ -25,9 +25,9 @@ def pytest_collection_modifyitems(config, items):
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     except ImportError:
         gpus = 0
-    if gpus >= 2:
+    if gpus >= 1:
         return
-    skip = pytest.mark.skip(reason=f"needs 2 CUDA GPUs, found {gpus}")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the device machine)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

@@ -437,6 +437,63 @@ def interleave(args):
 
 
 @scenario
+def policies_in_sequence(args):
+    """Several policies one after another in one job, the last with a keep-set
+    only rank 0 has: each must agree afresh (no stale decision of an earlier
+    policy), so the disputed group stays active on both ranks."""
+    init()
+    groups = make_groups(dist.get_world_size())
+    for g in groups.values():
+        allreduce_ok(g)
+    fake = FakeNccl()
+    rows = []
+    for i in range(3):
+        keep = ["tp", "dp"] if (i == 2 and rank() == 0) else ["tp"]
+        policy = OffloadPolicy(backend=fake.backend(), keep=keep, agree_timeout_s=10,
+                               timeout_s=20)
+        begin = policy.begin("rollout")
+        rows.append({g.name: g.action for g in begin.groups})
+        policy.end("rollout")
+        rows[-1]["exact"] = all(allreduce_ok(g) for g in groups.values())
+    return {"rows": rows}
+
+
+@scenario
+def learn_keep(args):
+    """Rollout calls a collective on "dp" (not in keep=) in the first phases;
+    what each phase's plan did with dp, per rank. args: learn (per rank),
+    guard, phases, touch_phases (which phases touch dp), forget_after."""
+    init()
+    groups = make_groups(dist.get_world_size())
+    for g in groups.values():
+        allreduce_ok(g)
+    fake = FakeNccl()
+    learn = args.get("learn", [True, True])[rank()]
+    policy = OffloadPolicy(backend=fake.backend(), keep=["tp"], learn_keep=learn,
+                           guard=args.get("guard", "resume"), agree_timeout_s=20, timeout_s=30)
+    phases = []
+    for phase in range(args.get("phases", 3)):
+        if phase == args.get("forget_after"):
+            policy.forget_learned()
+        begin = policy.begin("rollout")
+        dp = next(g for g in begin.groups if g.name == "dp")
+        raised = None
+        if phase in args.get("touch_phases", [0, 1, 2]):
+            try:
+                allreduce_ok(groups["dp"])
+            except Exception as exc:  # guard="strict"
+                raised = type(exc).__name__
+        before = policy.counters.auto_resumes
+        end = policy.end("rollout")
+        phases.append({"dp": [dp.action, dp.reason], "raised": raised,
+                       "dp_suspended_by_fake": fake.controls.count(fake.comms["dp"], SUSPEND_OP),
+                       "auto_resumes": before, "learned": end.learned,
+                       "exact": all(allreduce_ok(g) for g in groups.values())})
+    return {"phases": phases, "metrics": {k: v for k, v in policy.metrics().items()
+                                          if k.startswith("amem/learned/")}}
+
+
+@scenario
 def gil_overlapped_begin(args):
     """An overlapped begin on groups behind torch-shaped backend objects whose
     fake suspend waits for this rank's caller thread to run Python (a gate):

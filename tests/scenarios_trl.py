@@ -230,6 +230,7 @@ def noop_runs(args):
     generation; generation that gathers parameters (FSDP, ZeRO-3)."""
     from trl import GRPOTrainer
 
+    from amem_callbacks.adapters import _trl_groups as adapter_groups
     from amem_callbacks.adapters import trl as adapter
 
     scenario_prelude(args)
@@ -248,7 +249,7 @@ def noop_runs(args):
     layer.weight.ds_process_group = zero3_group  # what ZeRO-3 puts on its parameters
     zero3 = types.SimpleNamespace(_dist=types.SimpleNamespace(is_zero3=True, is_fsdp=False),
                                   model_wrapped=layer, use_vllm=False)
-    found = adapter._groups_generation_uses(zero3, "transformers")
+    found = adapter_groups.groups_generation_uses(zero3, "transformers")
     out["zero3"] = [[adapter._keep_name(g, role), why] for g, role, why in found]
     out["zero3_key"] = zero3_group.group_name
     return out

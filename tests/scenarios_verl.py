@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from tests.scenarios import FakeNccl, init
 
-HOOK = "__amem_callbacks_hook__"
+from amem_callbacks.patching import is_wrapped as hooked  # noqa: E402  (touches no verl)
 ADAPTER = "amem_callbacks.adapters.verl"
 EVENTS: list = []  # (label, sorted names of the groups suspended at that moment)
 
@@ -63,10 +63,6 @@ def tiny_model(path: str) -> str:
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>",
                             unk_token="<unk>").save_pretrained(path)
     return path
-
-
-def hooked(obj) -> bool:
-    return bool(getattr(obj, HOOK, False))
 
 
 def hook_report() -> dict:
@@ -345,7 +341,7 @@ def worker_cycle(args):
     """One process per rank plays the driver and its own training worker.
 
     args: strategy ("fsdp"|"megatron"), amem ("on"|"off"|"absent"),
-    early (call sleep_replicas after rollout), free_cache_engine, overlap,
+    early (call sleep_replicas after rollout), free_cache_engine,
     mode (what the driver passes to update_weights: "naive" or e.g. "nccl").
     """
     init()
@@ -364,8 +360,7 @@ def worker_cycle(args):
     if args["amem"] != "absent":
         enable = "true" if args["amem"] == "on" else "false"
         overrides += [f"+actor_rollout_ref.rollout.custom.amem.enable={enable}",
-                      "+actor_rollout_ref.rollout.custom.amem.guard=strict",
-                      f"+actor_rollout_ref.rollout.custom.amem.overlap={args['overlap']}"]
+                      "+actor_rollout_ref.rollout.custom.amem.guard=strict"]
     config_name = "ppo_megatron_trainer" if args["strategy"] == "megatron" else "ppo_trainer"
     cfg = compose(config_name, overrides)
     rollout_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)  # as the driver does
@@ -380,7 +375,7 @@ def worker_cycle(args):
             return super().end(phase)
 
     adapter.make_policy = lambda s: SpyPolicy(backend=fake.backend(), keep=list(s.keep),
-                                              guard=s.guard, overlap=s.overlap)
+                                              guard=s.guard)
     cpu_stand_ins(engine_workers)
 
     groups = make_groups(args["strategy"])

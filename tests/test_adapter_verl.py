@@ -31,7 +31,7 @@ def test_the_block_composes_validates_and_converts_to_verls_dataclasses(tmp_path
     cfg = compose(overrides=[
         "+actor_rollout_ref.rollout.custom.amem.enable=true",
         "+actor_rollout_ref.rollout.custom.amem.keep=[world]",
-        "+actor_rollout_ref.rollout.custom.amem.overlap=true",
+        "+actor_rollout_ref.rollout.custom.amem.learn_keep=false",
         "+actor_rollout_ref.rollout.custom.amem.guard=strict",
         "+actor_rollout_ref.rollout.custom.amem.backend=noop",
         f"actor_rollout_ref.model.path={model}", f"critic.model.path={model}"])
@@ -39,14 +39,14 @@ def test_the_block_composes_validates_and_converts_to_verls_dataclasses(tmp_path
                     use_critic=need_critic(cfg))
     rollout = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
     assert isinstance(rollout, RolloutConfig)
-    assert rollout.custom == {"amem": {"enable": True, "keep": ["world"], "overlap": True,
+    assert rollout.custom == {"amem": {"enable": True, "keep": ["world"], "learn_keep": False,
                                        "guard": "strict", "backend": "noop"}}
     assert isinstance(omega_conf_to_dataclass(cfg.actor_rollout_ref.model), HFModelConfig)
     omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
     omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout.checkpoint_engine)
     omega_conf_to_dataclass(cfg.critic)
     assert adapter.read_settings(rollout.custom) == adapter.AmemSettings(
-        enable=True, backend="noop", keep=("world",), overlap=True, guard="strict")
+        enable=True, backend="noop", keep=("world",), learn_keep=False, guard="strict")
     assert adapter._driver.enabled
 
     megatron = compose("ppo_megatron_trainer",
@@ -60,7 +60,8 @@ def test_the_block_composes_validates_and_converts_to_verls_dataclasses(tmp_path
     ("enable=yes", "amem.enable must be true or false, got 'yes'"),
     ("keep=tp", "amem.keep must be a list of group names"),
     ("keep=[1]", "amem.keep must be a list of group names"),
-    ("overlap=1", "amem.overlap must be true or false, got 1"),
+    ("learn_keep=1", "amem.learn_keep must be true or false, got 1"),
+    ("overlap=true", "nothing left to overlap: remove the key"),
     ("backend=cuda", "unknown backend 'cuda'"),
     ("guard=loud", "unknown guard mode 'loud'"),
 ])
@@ -124,11 +125,11 @@ def test_model_external_lib_installs_the_hooks_when_entry_points_are_off(tmp_pat
 # --- the boundaries, on two ranks ----------------------------------------------------
 def cycle(**args):
     base = {"strategy": "fsdp", "amem": "on", "early": True, "free_cache_engine": True,
-            "overlap": False, "mode": "naive"}
+            "mode": "naive"}
     base.update(args)
     results = [r["result"] for r in run_ranks("tests.scenarios_verl:worker_cycle", world=2,
                                               args=base, timeout=300)]
-    assert results[0]["events"] == results[1]["events"] or base["overlap"], \
+    assert results[0]["events"] == results[1]["events"], \
         "both ranks must see the same sequence"
     assert [e[0] for e in results[0]["events"]] == [e[0] for e in results[1]["events"]]
     return results
@@ -180,8 +181,8 @@ def test_fsdp_suspends_after_the_handoff_before_the_kv_cache_and_resumes_when_ro
         assert log2["amem/begin/nccl_bytes"] == len(ALL) * 480 * 2**20
 
 
-def test_megatron_without_kv_cache_release_suspends_at_the_end_of_the_update_and_overlaps():
-    for res in cycle(strategy="megatron", early=False, free_cache_engine=False, overlap=True):
+def test_megatron_without_kv_cache_release_suspends_at_the_end_of_the_update():
+    for res in cycle(strategy="megatron", early=False, free_cache_engine=False):
         ALL = ["DATA_PARALLEL_GROUP", "PIPELINE_MODEL_PARALLEL_GROUP",
                "TENSOR_MODEL_PARALLEL_GROUP", "critic_dp", "world"]
         events = [tuple(e) for e in res["events"]]
@@ -199,7 +200,7 @@ def test_megatron_without_kv_cache_release_suspends_at_the_end_of_the_update_and
                 assert down == [], f"{label}: the hand-off groups must be active"
             if label in ("driver: update_weights returned", "rollout", "amem.end on MainThread"):
                 assert down == ALL, label
-        # overlap: calls start while groups resume; strict guard saw no call on a suspended one
+        # the strict guard saw no call on a suspended one
         counters = res["session"]["counters"]
         assert counters["begins"] == 3 and counters["ends"] == 2
         assert counters["auto_resumes"] == 0 and counters["failures"] == 0

@@ -5,7 +5,8 @@ import time
 
 import torch.distributed as dist
 
-from amem_callbacks.agreement import Agreement, is_yes, vote_no, vote_yes
+from amem_callbacks.agreement import Agreement, verdict_of, vote_keep, vote_suspend
+from amem_callbacks.states import Verdict
 
 
 def run(votes: dict, members=(0, 1, 2), timeout=1.0, delays=None, key="g"):
@@ -29,30 +30,30 @@ def run(votes: dict, members=(0, 1, 2), timeout=1.0, delays=None, key="g"):
 
 
 def test_all_yes_suspends_everywhere():
-    results, _ = run({r: vote_yes("nccl") for r in range(3)})
-    assert all(is_yes(v) for v in results.values()) and len(set(results.values())) == 1
+    results, _ = run({r: vote_suspend("nccl") for r in range(3)})
+    assert all((verdict_of(v) is Verdict.SUSPEND) for v in results.values()) and len(set(results.values())) == 1
 
 
 def test_one_refusal_keeps_the_group_on_every_member_and_says_why():
-    results, _ = run({0: vote_yes("nccl"), 1: vote_no("kept for phase"), 2: vote_yes("nccl")})
+    results, _ = run({0: vote_suspend("nccl"), 1: vote_keep("kept for phase"), 2: vote_suspend("nccl")})
     assert len(set(results.values())) == 1
-    assert not is_yes(results[0]) and "rank 1: kept for phase" in results[0]
+    assert verdict_of(results[0]) is Verdict.KEEP and "rank 1: kept for phase" in results[0]
 
 
 def test_different_backends_keep_the_group():
-    results, _ = run({0: vote_yes("nccl"), 1: vote_yes("amem"), 2: vote_yes("nccl")})
+    results, _ = run({0: vote_suspend("nccl"), 1: vote_suspend("amem"), 2: vote_suspend("nccl")})
     assert "different backends" in results[2]
 
 
 def test_missing_member_is_detected_within_the_bound():
-    results, took = run({0: vote_yes("nccl"), 1: vote_yes("nccl")}, timeout=0.5)
+    results, took = run({0: vote_suspend("nccl"), 1: vote_suspend("nccl")}, timeout=0.5)
     assert "rank(s) [2] did not reach" in results[0] and results[0] == results[1]
     assert max(took.values()) < 2 * 0.5 + 0.5
 
 
 def test_late_leader_and_early_members_still_agree():
-    results, took = run({r: vote_yes("nccl") for r in range(3)}, timeout=0.3, delays={0: 1.0})
-    assert len(set(results.values())) == 1 and not is_yes(results[1])
+    results, took = run({r: vote_suspend("nccl") for r in range(3)}, timeout=0.3, delays={0: 1.0})
+    assert len(set(results.values())) == 1 and verdict_of(results[1]) is Verdict.KEEP
     assert "leader rank 0 did not decide" in results[1]
 
 
@@ -62,11 +63,11 @@ def test_rounds_are_independent_and_old_keys_are_dropped():
     for round_no in range(4):
         out = {}
         threads = [threading.Thread(target=lambda a=a: out.__setitem__(
-            a.rank, a.decide({"g": ((0, 1), vote_yes("nccl") if round_no % 2 else vote_no("x"))})))
+            a.rank, a.decide({"g": ((0, 1), vote_suspend("nccl") if round_no % 2 else vote_keep("x"))})))
             for a in agreements]
         [t.start() for t in threads]
         [t.join(10) for t in threads]
-        assert is_yes(out[0]["g"]) == bool(round_no % 2) and out[0] == out[1]
+        assert (verdict_of(out[0]["g"]) is Verdict.SUSPEND) == bool(round_no % 2) and out[0] == out[1]
     assert not store.check(["amem_callbacks/plan/g/0/decision"])
     assert store.check(["amem_callbacks/plan/g/3/decision"])
 

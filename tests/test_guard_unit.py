@@ -19,9 +19,9 @@ assert dist.isend is c10d.isend and not hasattr(dist.isend, "__amem_original__")
 
 class Owner:
     calls = []
-    def _before_use(self, group, kind, call):
+    def before_use(self, group, kind, call):
         self.calls.append((call, kind, group is dist.group.WORLD))
-    def _forget(self, group):
+    def forget(self, group):
         self.calls.append(("forget", group is dist.group.WORLD))
 
 t = torch.ones(2)
@@ -66,10 +66,10 @@ def test_the_fast_wrapper_binds_arguments_exactly_like_the_original():
     seen = []
 
     class Owner:
-        def _before_use(self, group, kind, call):
+        def before_use(self, group, kind, call):
             seen.append((call, kind, group))
 
-    wrapped = guard._wrap(original, guard.COLLECTIVE, "group")
+    wrapped = guard._wrap(original, guard.CallKind.COLLECTIVE, "group")
     assert "amem_callbacks guard" in wrapped.__code__.co_filename  # the fast path was taken
     assert inspect.signature(wrapped) == inspect.signature(original)
     calls = [((1,), {}), ((1, "max", "g"), {}), ((1,), {"group": "g", "async_op": True}),
@@ -84,7 +84,7 @@ def test_the_fast_wrapper_binds_arguments_exactly_like_the_original():
         wrapped(1, group="k")  # a group nobody watches: not reported
     finally:
         guard._guarded.pop("g")
-    assert seen == [("original", guard.COLLECTIVE, "g")] * 2
+    assert seen == [("original", guard.CallKind.COLLECTIVE, "g")] * 2
 
 
 def test_an_unmirrorable_signature_falls_back_to_the_generic_wrapper():
@@ -93,6 +93,6 @@ def test_an_unmirrorable_signature_falls_back_to_the_generic_wrapper():
     def original(tensor, _amem_fn=None, group=None):  # a name the fast wrapper reserves
         return (tensor, _amem_fn, group)
 
-    wrapped = guard._wrap(original, guard.COLLECTIVE, "group")
+    wrapped = guard._wrap(original, guard.CallKind.COLLECTIVE, "group")
     assert "amem_callbacks guard" not in wrapped.__code__.co_filename
     assert wrapped(1, 2, group=3) == (1, 2, 3)

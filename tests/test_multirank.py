@@ -170,3 +170,11 @@ def test_random_interleavings_never_reach_a_suspended_communicator(seed, workers
         assert res["exact"] and res["failures"] == 0
         assert not any(res["left_suspended"].values())
         assert "begin" in res["actions"]
+
+
+def test_a_later_policy_agrees_afresh_and_never_reads_an_earlier_ones_decision():
+    results = run_ranks("policies_in_sequence", world=2, timeout=120)
+    for r in results:
+        first, _second, last = r["result"]["rows"]
+        assert first["dp"] == "suspended" and first["exact"]
+        assert last["dp"] == "kept" and last["world"] == "suspended" and last["exact"]

@@ -2,7 +2,10 @@
 
 from amem_callbacks.backends.base import CommMemory
 from amem_callbacks.groups import GroupInfo
-from amem_callbacks.plan import KEEP, SUSPEND, make_plan
+from amem_callbacks.plan import make_plan
+from amem_callbacks.states import Verdict
+
+KEEP, SUSPEND = Verdict.KEEP, Verdict.SUSPEND
 
 MiB = 2**20
 

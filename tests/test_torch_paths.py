@@ -1,7 +1,6 @@
 """Which way the nccl backend reaches a group's communicator on each torch, and
 that the default way never holds the GIL (stand-ins shaped like torch 2.11-2.15)."""
 
-import logging
 import threading
 import time
 
@@ -42,7 +41,8 @@ def test_each_torch_shape_takes_the_expected_path(fake, shape, path):
 def test_path_preference_and_what_is_not_an_nccl_group(fake):
     lib_path, _lib, controls = fake
     comm = controls.create(100 * MiB)
-    assert how_to_reach(torch_standins.make("2.12-2.14", lib_path, comm), "torch").path is Path.TORCH
+    native = how_to_reach(torch_standins.make("2.12-2.14", lib_path, comm), "torch")
+    assert native.path is Path.TORCH
     refused = how_to_reach(torch_standins.make("2.14-nccl2", lib_path, comm), "ctypes")
     assert refused.path is None and "forbids" in refused.why
     gloo = how_to_reach(torch_standins.ProcessGroupGloo())

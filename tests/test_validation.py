@@ -32,6 +32,8 @@ def test_bad_input_names_the_valid_choices(kwargs, message):
 
 
 def test_unknown_keep_name_lists_known_roles():
+    import amem_callbacks.adapters.megatron  # noqa: F401  registers parallel_state's roles
+
     with pytest.raises(ValueError) as err:
         OffloadPolicy(keep=["mystery"])
     assert "'tp'" in str(err.value) and "name_group" in str(err.value)
@@ -66,7 +68,7 @@ def test_before_init_process_group_begin_and_end_do_nothing():
 
 def test_import_and_construction_do_not_import_torch():
     code = ("import sys, amem_callbacks; from amem_callbacks import OffloadPolicy;"
-            "OffloadPolicy(keep=['tp']); import amem_callbacks.adapters;"
+            "import amem_callbacks.adapters.megatron; OffloadPolicy(keep=['tp']);"
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -75,27 +75,10 @@ def _define(group) -> None:
         help="AMem only: ncclSetGroupID value, set before the first communicator exists")
 
 
-def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the ``--rl-amem-*`` flags to a Megatron argument parser.
-
-    Use it as Megatron's ``extra_args_provider``; it returns the parser, so it
-    composes with another provider (see :func:`chain`). It also arranges for
-    the rollout hooks to be installed when Megatron's inference engine is
-    imported; they do nothing unless ``--rl-amem-offload-during-rollout`` is
-    given.
-
-    Args:
-        parser: the ``argparse.ArgumentParser`` Megatron built.
-
-    Example:
-        >>> from amem_callbacks.adapters.megatron import add_args, chain
-        >>> pretrain(..., extra_args_provider=chain(add_inference_args, add_args))
-    """
+def define(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags in their own argument group of ``parser``."""
     _define(parser.add_argument_group(
         title="amem_callbacks", description="free idle NCCL communicator memory during rollout"))
-    from .hooks import install_hooks
-
-    install_hooks()
     return parser
 
 

@@ -17,19 +17,18 @@ Two seams; both are wrapped and the controller acts on whichever comes first
 
 Begin runs before the wrapped resume, so the KV cache it allocates can use the
 freed memory; end runs after the wrapped suspend, once the KV cache is gone.
-The modules are patched when they are first imported (a ``sys.meta_path``
-finder), so installing the hooks imports neither torch nor Megatron.
+The modules are patched when they are first imported, so installing the hooks
+imports neither torch nor Megatron.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 import logging
 import sys
 import threading
+from typing import Callable, Optional
 
-from .._after_import import forget, when_imported
+from amem_callbacks.patching import Patches, forget, when_imported
 
 logger = logging.getLogger("amem_callbacks")
 
@@ -40,8 +39,11 @@ INTERFACE_CLASS = "MegatronLocal"
 
 _lock = threading.Lock()
 _controller = None
+#: builds a controller from Megatron's parsed args when none was installed
+#: (the package sets it: it knows the flags; this module does not)
+_from_megatron_args: Optional[Callable] = None
 _installed = False
-_patched = []  # (class, name, original) to undo
+_patches = Patches()
 
 
 # --- the controller the hooks report to -----------------------------------
@@ -50,28 +52,22 @@ def set_controller(controller) -> None:
     _controller = controller
 
 
+def set_controller_source(source: Callable) -> None:
+    """``source()`` builds a controller from Megatron's parsed args, or None."""
+    global _from_megatron_args
+    _from_megatron_args = source
+
+
 def current_controller():
     """The installed controller; else one built from Megatron's parsed args
     (when ``add_args`` put the flags there); None while offloading is off."""
     global _controller
-    if _controller is None:
-        args = _megatron_args()
-        if args is None or not hasattr(args, "rl_amem_offload_during_rollout"):
-            return None
-        from .args import settings_from_args
-        from .offload import RolloutOffload
-
-        _controller = RolloutOffload(settings_from_args(args))
-    return _controller if _controller.enabled else None
+    if _controller is None and _from_megatron_args is not None:
+        _controller = _from_megatron_args()
+    return _controller if _controller is not None and _controller.enabled else None
 
 
-def _megatron_args():
-    """Megatron-LM's global args, without importing megatron.training."""
-    global_vars = sys.modules.get("megatron.training.global_vars")
-    return getattr(global_vars, "_GLOBAL_ARGS", None) if global_vars else None
-
-
-# --- patching ----------------------------------------------------------------
+# --- the seams ---------------------------------------------------------------
 def engine_suspended(engine) -> bool:
     """The engine's own test in ``resume``: ``state`` (0.17+) or ``is_suspended``."""
     state = getattr(engine, "state", None)
@@ -81,90 +77,54 @@ def engine_suspended(engine) -> bool:
     return bool(getattr(engine, "is_suspended", False))
 
 
-def _replace(cls, name, make) -> bool:
-    original = cls.__dict__.get(name)
-    if original is None:
-        return False
-    if getattr(original, "__amem_original__", None) is None:
-        wrapped = functools.wraps(original)(make(original))
-        wrapped.__amem_original__ = original
-        setattr(cls, name, wrapped)
-        _patched.append((cls, name, original))
-    return True
+def _begin(engine, via: str) -> None:
+    controller = current_controller()
+    if controller is not None:
+        controller.rollout_begin(engine, via=via)
+
+
+def _end(engine, via: str) -> None:
+    controller = current_controller()
+    if controller is not None:
+        controller.rollout_end(engine, via=via)
 
 
 def patch_engine(cls) -> bool:
     """Wrap ``cls.resume``/``cls.suspend`` (a DynamicInferenceEngine class)."""
-    where = f"{cls.__name__}"
+    where = cls.__name__
 
-    def make_resume(resume):
-        def hooked(self, *args, **kwargs):
-            controller = current_controller()
-            if controller is not None and engine_suspended(self):
-                controller.rollout_begin(self, via=f"{where}.resume")
-            return resume(self, *args, **kwargs)
-        return hooked
+    def resume(original, self, *args, **kwargs):
+        if engine_suspended(self):  # a real wake-up, not the coordinator's 20 ms poll
+            _begin(self, f"{where}.resume")
+        return original(self, *args, **kwargs)
 
-    def make_suspend(suspend):
-        def hooked(self, *args, **kwargs):
-            was_suspended = engine_suspended(self)
-            out = suspend(self, *args, **kwargs)
-            controller = current_controller()
-            if controller is not None and not was_suspended:
-                controller.rollout_end(self, via=f"{where}.suspend")
-            return out
-        return hooked
+    def suspend(original, self, *args, **kwargs):
+        was_suspended = engine_suspended(self)
+        out = original(self, *args, **kwargs)
+        if not was_suspended:
+            _end(self, f"{where}.suspend")
+        return out
 
-    ok = _replace(cls, "resume", make_resume) and _replace(cls, "suspend", make_suspend)
-    if not ok:
+    ok = _patches.wrap(cls, "resume", resume) | _patches.wrap(cls, "suspend", suspend)
+    if "resume" not in cls.__dict__ or "suspend" not in cls.__dict__:
         logger.warning("amem_callbacks: %s has no resume()/suspend(); this Megatron version "
                        "is not supported by the rollout hooks", where)
+        return False
     return ok
 
 
 def patch_interface(cls) -> bool:
-    """Wrap ``cls.resume``/``cls.suspend`` (Megatron-LM's RL inference interface)."""
-    where = f"{cls.__name__}"
-
-    def engine_of(self):
-        return getattr(self, "_inference_engine", None)
-
-    def make_resume(resume):
-        if inspect.iscoroutinefunction(resume):
-            async def hooked(self, *args, **kwargs):
-                controller = current_controller()
-                if controller is not None:
-                    controller.rollout_begin(engine_of(self), via=f"{where}.resume")
-                return await resume(self, *args, **kwargs)
-        else:
-            def hooked(self, *args, **kwargs):
-                controller = current_controller()
-                if controller is not None:
-                    controller.rollout_begin(engine_of(self), via=f"{where}.resume")
-                return resume(self, *args, **kwargs)
-        return hooked
-
-    def make_suspend(suspend):
-        if inspect.iscoroutinefunction(suspend):
-            async def hooked(self, *args, **kwargs):
-                out = await suspend(self, *args, **kwargs)
-                controller = current_controller()
-                if controller is not None:
-                    controller.rollout_end(engine_of(self), via=f"{where}.suspend")
-                return out
-        else:
-            def hooked(self, *args, **kwargs):
-                out = suspend(self, *args, **kwargs)
-                controller = current_controller()
-                if controller is not None:
-                    controller.rollout_end(engine_of(self), via=f"{where}.suspend")
-                return out
-        return hooked
-
-    return _replace(cls, "resume", make_resume) and _replace(cls, "suspend", make_suspend)
+    """Wrap ``cls.resume``/``cls.suspend`` (Megatron-LM's RL inference interface;
+    sync or async, the wrappers follow)."""
+    where = cls.__name__
+    engine_of = lambda self: getattr(self, "_inference_engine", None)  # noqa: E731
+    return (_patches.wrap(cls, "resume", before=lambda self, *a, **k: _begin(
+                engine_of(self), f"{where}.resume"))
+            | _patches.wrap(cls, "suspend", after=lambda result, self, *a, **k: _end(
+                engine_of(self), f"{where}.suspend")))
 
 
-def _patch_module(class_name, patch):
+def _patch_module(class_name: str, patch: Callable) -> Callable:
     def action(module):
         cls = getattr(module, class_name, None)
         if cls is None:
@@ -190,9 +150,13 @@ def remove_hooks() -> None:
     """Undo every patch and forget the controller (for tests)."""
     global _installed
     with _lock:
-        while _patched:
-            cls, name, original = _patched.pop()
-            setattr(cls, name, original)
+        _patches.undo()
         forget((ENGINE_MODULE, INTERFACE_MODULE))
         _installed = False
     set_controller(None)
+
+
+def megatron_args():
+    """Megatron-LM's global args, without importing megatron.training."""
+    global_vars = sys.modules.get("megatron.training.global_vars")
+    return getattr(global_vars, "_GLOBAL_ARGS", None) if global_vars else None

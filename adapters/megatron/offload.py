@@ -1,4 +1,4 @@
-"""The per-process controller the rollout hooks call: an ``OffloadPolicy`` over
+"""The per-process controller the rollout hooks call: a ``RolloutSession`` over
 Megatron's groups, and its figures for Megatron's loggers."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ import logging
 import sys
 from typing import Optional
 
+from amem_callbacks.session import RolloutSession
+
 from . import roles
 from .args import Settings
 
 logger = logging.getLogger("amem_callbacks")
-
-PHASE = "rollout"
 
 
 class RolloutOffload:
@@ -20,7 +20,9 @@ class RolloutOffload:
 
     The policy is built at the first rollout, when ``parallel_state`` exists:
     which groups stay active depends on the engine (see
-    :func:`~amem_callbacks.adapters.megatron.roles.classify`).
+    :func:`~amem_callbacks.adapters.megatron.roles.classify`). Both seams
+    block: the engine allocates its KV cache right after the begin, and
+    training runs DDP and optimizer collectives right after the end.
 
     Args:
         settings: the flags' values.
@@ -37,19 +39,39 @@ class RolloutOffload:
 
     def __init__(self, settings: Settings, *, backend=None, writers=None,
                  policy_options: Optional[dict] = None):
+        options = dict(policy_options or {})
+        if "overlap" in options:
+            raise ValueError("Megatron: overlap has nothing to hide here (the engine allocates "
+                             "its KV cache right after the begin, and training collectives "
+                             "follow the end at once): leave it out")
+        from amem_callbacks import OffloadPolicy
+
+        OffloadPolicy(backend=backend or settings.backend, **options)  # bad options fail now
         self.settings = settings
         self._backend = backend
         self._writers = writers
-        self._policy_options = dict(policy_options or {})
-        self.policy = None
-        self.plan = None
-        self.active = False
+        self._policy_options = options
+        self._engine = None
         self._warned = False
-        self.reports = []  # (via, TransitionReport), most recent last; bounded
+        self.plan = None
+        self.session = RolloutSession(self._make_policy)
 
     @property
     def enabled(self) -> bool:
         return self.settings.enabled
+
+    @property
+    def policy(self):
+        return self.session.policy
+
+    @property
+    def active(self) -> bool:
+        return self.session.active
+
+    @property
+    def reports(self) -> list:
+        """(via, report) pairs, most recent last; bounded."""
+        return list(self.session.history)
 
     def rollout_begin(self, engine=None, via: str = ""):
         """Collective over all ranks: suspend the idle groups. Returns the report,
@@ -63,40 +85,29 @@ class RolloutOffload:
                                "and Megatron's parallel_state were initialized; nothing "
                                "offloaded", via)
             return None
-        if self.policy is None:
-            self._setup(engine)
-        self.active = True
-        report = self.policy.begin(PHASE)
-        # Even with overlap: the engine allocates its KV cache right after this.
-        self.policy.wait()
-        return self._record(report, via)
+        self._engine = engine
+        return self._logged(self.session.start(via, memory_needed_now=True), via)
 
     def rollout_end(self, engine=None, via: str = ""):
         """Collective over all ranks: resume what ``rollout_begin`` suspended."""
-        if not self.active:
-            return None
-        self.active = False
-        report = self.policy.end(PHASE)
-        # Training follows; its DDP and optimizer collectives may bypass the guard.
-        self.policy.wait()
-        return self._record(report, via)
+        return self._logged(self.session.stop(via), via)
 
-    def _setup(self, engine) -> None:
+    def _make_policy(self):
         from amem_callbacks import OffloadPolicy
 
-        plan = roles.classify(engine, keep=self.settings.keep)
+        plan = roles.classify(self._engine, keep=self.settings.keep)
         roles.name_groups(plan)
         self.plan = plan
         logger.info("amem_callbacks: Megatron rollout offload, %s", plan.describe())
-        self.policy = OffloadPolicy(
-            backend=self._backend or self.settings.backend, keep={PHASE: plan.kept_names},
+        return OffloadPolicy(
+            backend=self._backend or self.settings.backend, keep={"rollout": plan.kept_names},
             groups=plan.groups, backend_options=self.settings.backend_options(),
             **self._policy_options)
 
-    def _record(self, report, via: str):
-        self.reports = (self.reports + [(via, report)])[-8:]
-        logger.info("amem_callbacks: rollout %s at %s: %s", report.kind, via, report.summary())
-        write_metrics(self.policy.metrics(), self._writers)
+    def _logged(self, report, via: str):
+        if report is not None:
+            logger.info("amem_callbacks: rollout %s at %s: %s", report.kind, via, report.summary())
+            write_metrics(self.session.metrics(), self._writers)
         return report
 
 

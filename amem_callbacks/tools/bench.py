@@ -11,6 +11,9 @@ group). Modes, in one run on the same groups:
               worker while rollout computes, and training collectives wait for
               their own group only (the guard)
     recreate  destroy the groups for rollout and create them again (slime's way)
+    touch     naive, and rollout also calls a collective on one suspended group
+              ("dp"): the guard resumes it; with learn_keep the policy keeps it
+              active from the next rollout on (touch-nolearn: learn_keep off)
 
 Figures, all ratios of this run's own measurements:
     P1  device bytes freed / NCCL's suspendable bytes
@@ -21,6 +24,14 @@ Figures, all ratios of this run's own measurements:
         nothing suspended is reported beside it as P3_state)
     P4  all-reduce bus bandwidth after the cycles / before
     recreate_over_overlap  extra step time of recreate / of overlap
+    P5  caller-thread progress during an overlapped begin (and end): a pure
+        Python loop's rate while the transition runs / its rate before; a
+        transition that holds the GIL drives it towards 0
+    learn_over_nolearn  steady step time of touch / of touch-nolearn
+
+With more ranks than GPUs (several per GPU), cudaMemGetInfo sees every
+sharing rank: P1 then divides the GPU's freed bytes, read between barriers,
+by the NCCL bytes of all ranks on it.
 """
 
 from __future__ import annotations
@@ -35,7 +46,8 @@ import time
 
 ROLES = ("world", "dp", "dp_cp", "cp", "expert_dp", "intra_dp_cp", "embd", "pos_embd",
          "inter_dist_opt", "tp_dp", "ep", "pp")
-MODES = ("none", "naive", "overlap", "recreate")
+MODES = ("none", "naive", "overlap", "recreate", "touch", "touch-nolearn")
+DEFAULT_MODES = ("none", "naive", "overlap", "recreate")
 
 
 def _free_port() -> int:
@@ -156,9 +168,11 @@ class Loop:
         self.synchronize()
         return time.perf_counter() - start
 
-    def rollout(self) -> None:
+    def rollout(self, touch: bool = False) -> None:
         self.compute(self.args.rollout_s)
         self.dist.all_reduce(self.small, group=self.tp)  # the kept group keeps working
+        if touch:  # e.g. a logging all-reduce nobody listed in keep=
+            self.dist.all_reduce(self.small, group=self.groups.get("dp", self.dist.group.WORLD))
 
     def destroy_groups(self) -> None:
         for name in self.names:
@@ -201,13 +215,22 @@ class Loop:
         return time.perf_counter() - start
 
 
+def _gpu_free(loop: Loop):
+    """The GPU's free bytes once every rank got here (all ranks' memory when shared)."""
+    loop.synchronize()
+    loop.dist.barrier(group=loop.sync)
+    return loop.torch.cuda.mem_get_info()[0] if loop.use_cuda else None
+
+
 def _run_mode(loop: Loop, mode: str, policy, sampler, progress, reports: dict) -> tuple:
     """Step times, and per step where the time went on the caller's thread:
     begin call, rollout, end call, training collectives (compute is fixed)."""
     steps, parts = [], []
+    shared = loop.shared_gpu and mode in ("naive", "touch")
     for step in range(loop.args.steps):
         loop.dist.barrier(group=loop.sync)
         loop.synchronize()
+        free_before = _gpu_free(loop) if shared else None
         start = time.perf_counter()
         sampler.phase = f"{mode}:rollout"
         if mode == "recreate":
@@ -215,7 +238,12 @@ def _run_mode(loop: Loop, mode: str, policy, sampler, progress, reports: dict) -
         elif policy is not None:
             reports.setdefault("begin", []).append(policy.begin("rollout"))
         begun = time.perf_counter()
-        loop.rollout()
+        if shared:  # outside the timed step: the barrier is only for the reading
+            reports.setdefault("gpu_freed", []).append(_gpu_free(loop) - free_before)
+            begun_at = time.perf_counter()
+            start += begun_at - begun
+            begun = begun_at
+        loop.rollout(touch=mode.startswith("touch"))
         rolled = time.perf_counter()
         sampler.phase = f"{mode}:train"
         if mode == "recreate":
@@ -295,19 +323,44 @@ def _guard_overhead(loop: Loop, backend: str, n: int, pairs: int = 24) -> dict:
             "calls_per_block": block, "pairs": pairs}
 
 
+def _caller_progress(loop: Loop, backend: str, workers: int) -> dict:
+    """P5: how fast this thread runs Python while an overlapped transition is in
+    flight, against its rate just before (see tools/progress.py)."""
+    from amem_callbacks import OffloadPolicy
+
+    from .progress import progress_during
+
+    policy = OffloadPolicy(backend=backend, keep=["tp"], overlap=True, workers=workers,
+                           groups=loop.all_groups())
+    out = {}
+    for kind in ("begin", "end"):
+        loop.dist.barrier(group=loop.sync)
+        measured = progress_during(
+            lambda: policy.begin("rollout") if kind == "begin" else policy.end("rollout"),
+            lambda report: report.pending)
+        report = measured.pop("handle")
+        policy.wait()
+        out[kind] = {**measured, "transition_s": report.wall_seconds, "gil_held": report.gil_held,
+                     "paths": sorted({g.path for g in report.groups if g.path})}
+    return out
+
+
 def run_rank(args, rank: int, world: int, use_cuda: bool) -> dict:
     import torch
     import torch.distributed as dist
 
     from amem_callbacks import OffloadPolicy
 
+    from .launch import local_device
+
     if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(local_device(int(os.environ.get("LOCAL_RANK", rank))))
     dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world)
     loop = Loop(args, rank, world, use_cuda)
+    loop.shared_gpu = use_cuda and world > torch.cuda.device_count()
     backend = args.backend or ("nccl" if use_cuda else "noop")
     sampler = MemorySampler(torch.cuda.current_device() if use_cuda else None).start()
-    total = len(args.modes) * args.steps + len(args.sweep) + 1
+    total = len(args.modes) * args.steps + len(args.sweep) + 2
     progress = Progress(total, enabled=rank == 0)
     result = {"bandwidth_before_GBps": loop.bus_bandwidth()}
     if args.sweep:
@@ -317,18 +370,31 @@ def run_rank(args, rank: int, world: int, use_cuda: bool) -> dict:
     modes = {}
     for mode in args.modes:
         policy = None
-        if mode in ("naive", "overlap"):
+        if mode != "none" and mode != "recreate":
             policy = OffloadPolicy(backend=backend, keep=["tp"], overlap=mode == "overlap",
                                    workers=workers if mode == "overlap" else 1,
-                                   groups=loop.all_groups())
+                                   learn_keep=mode != "touch-nolearn", groups=loop.all_groups())
         reports = {}
         steps, parts = _run_mode(loop, mode, policy, sampler, progress, reports)
+        gpu_freed = reports.pop("gpu_freed", None)
         modes[mode] = {"step_s": steps, "parts_s": parts, "reports": {
             kind: [_report_row(r) for r in rs] for kind, rs in reports.items()}}
+        if gpu_freed is not None:  # every rank's NCCL bytes, for P1 on a shared GPU
+            nccl = [None] * world
+            dist.all_gather_object(nccl, [r.nccl_bytes for r in reports["begin"]],
+                                   group=loop.sync)
+            modes[mode]["gpu_freed"] = gpu_freed
+            modes[mode]["nccl_bytes_all_ranks"] = [sum(step) for step in zip(*nccl)]
+        if policy is not None:
+            modes[mode]["auto_resumes"] = policy.counters.auto_resumes
+            modes[mode]["learned"] = policy.learned.by_phase()
 
     result["modes"] = modes
     result["guard"] = _guard_overhead(loop, backend, args.guard_calls)
     progress.step("guard overhead")
+    result["caller_progress"] = _caller_progress(loop, backend, workers)
+    progress.step("caller-thread progress")
+    result["ranks_per_gpu"] = (-(-world // torch.cuda.device_count())) if use_cuda else 0
     result["bandwidth_after_GBps"] = loop.bus_bandwidth()
     dist.barrier(group=loop.sync)
     result["timeline"] = sampler.stop()
@@ -350,6 +416,10 @@ def _report_row(report) -> dict:
     return {"wall_s": report.wall_seconds, "nccl_bytes": report.nccl_bytes,
             "device_freed": report.device_freed_bytes, "agree_s": report.agree_seconds,
             "groups": {g.name: [g.action, round(g.seconds, 4)] for g in report.groups},
+            "stays": {g.name: [g.stays_bytes, g.stays_why] for g in report.groups
+                      if g.stays_bytes},
+            "transport": {g.name: g.transport for g in report.groups if g.transport},
+            "paths": sorted({g.path for g in report.groups if g.path}),
             "skipped": report.skipped}
 
 
@@ -364,18 +434,25 @@ def _worker(rank: int, world: int, port: int, args, use_cuda: bool, out_path: st
 def main(args) -> int:
     import tempfile
 
-    import torch
-
     from .bench_report import summarise, write_outputs
 
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    use_cuda = gpus >= 2
+    from .launch import plan_ranks
+
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    layout = plan_ranks(int(os.environ["WORLD_SIZE"]) if torchrun else args.ranks)
+    if layout.refused:
+        print(f"amem-callbacks bench: {layout.refused}")
+        return 1
+    use_cuda = layout.on_gpu
     if not use_cuda:
-        print("amem-callbacks bench: no 2 GPUs here, so this is a dry run on 2 CPU processes "
-              "with the noop backend; the figures are not GPU figures.")
+        print("amem-callbacks bench: no GPU here, so this is a dry run on 2 CPU processes "
+              "with the noop backend; the figures are not GPU figures and no goal is graded.")
         args.sweep = []
+    else:
+        print(f"amem-callbacks bench: {layout.describe()}")
+    os.environ.update(layout.env)
     raw_path = os.path.join(tempfile.mkdtemp(prefix="amem-bench-"), "rank0.json")
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
+    if torchrun:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         raw = run_rank(args, rank, world, use_cuda)
         if rank != 0:
@@ -383,7 +460,7 @@ def main(args) -> int:
     else:
         import torch.multiprocessing as mp
 
-        world = gpus if use_cuda else 2
+        world = layout.ranks
         mp.start_processes(_worker, args=(world, _free_port(), args, use_cuda, raw_path),
                            nprocs=world, start_method="spawn")
         with open(raw_path) as f:

@@ -18,21 +18,29 @@ def build_parser() -> argparse.ArgumentParser:
                         help="AMem's patched libnccl.so.2, to check it against this torch")
     doctor.add_argument("--no-probe", action="store_true",
                         help="skip the real suspend/resume of a 1-rank communicator on GPU 0")
-    demo = sub.add_parser("demo", help="a small train/rollout loop on all local GPUs "
-                                       "(2 CPU processes, dry run, without GPUs)")
+    demo = sub.add_parser("demo", help="a small train/rollout loop on the local GPUs, several "
+                                       "ranks per GPU where NCCL allows (2 CPU processes, dry "
+                                       "run, without GPUs)")
     demo.add_argument("--steps", type=_positive_int, default=5)
+    demo.add_argument("--ranks", type=_ranks, default=None,
+                      help="ranks to start (default: one per GPU, at least 2; more ranks than "
+                           "GPUs share them, NCCL >= 2.30)")
     demo.add_argument("--rollout-s", type=float, default=0.5)
     demo.add_argument("--backend", choices=("auto", "nccl", "amem", "noop"), default=None,
                       help="default: auto on GPUs, noop on CPU")
     bench = sub.add_parser("bench", help="measure suspend/resume cost in a synthetic RL loop "
                                          "on all local GPUs (or under torchrun)")
+    bench.add_argument("--ranks", type=_ranks, default=None,
+                       help="ranks to start (default: one per GPU, at least 2)")
     bench.add_argument("--groups", type=_positive_int, default=8,
                        help="process groups to suspend (Megatron-like roles), default 8")
     bench.add_argument("--steps", type=_positive_int, default=4, help="steps per mode")
     bench.add_argument("--rollout-s", type=float, default=2.0)
     bench.add_argument("--train-s", type=float, default=0.5)
     bench.add_argument("--grad-mib", type=_positive_int, default=64)
-    bench.add_argument("--modes", type=_modes, default=("none", "naive", "overlap", "recreate"))
+    bench.add_argument("--modes", type=_modes, default=("none", "naive", "overlap", "recreate"),
+                       help="comma list of none,naive,overlap,recreate,touch,touch-nolearn "
+                            "(default: none,naive,overlap,recreate)")
     bench.add_argument("--workers", type=_positive_int, default=None,
                        help="threads per transition in overlap mode (default: best of --sweep)")
     bench.add_argument("--sweep", type=_int_list, default=[1, 2, 4, 8],
@@ -65,6 +73,14 @@ def _int_list(text: str) -> list:
     return values
 
 
+def _ranks(text: str) -> int:
+    value = _positive_int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError("at least 2 ranks: a 1-rank communicator has no peer "
+                                         "buffers to free")
+    return value
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -82,7 +98,8 @@ def main(argv=None) -> int:
     if args.command == "demo":
         from .demo import main as demo_main
 
-        return demo_main(steps=args.steps, rollout_s=args.rollout_s, backend=args.backend)
+        return demo_main(steps=args.steps, rollout_s=args.rollout_s, backend=args.backend,
+                         ranks=args.ranks)
     if args.command == "bench":
         from .bench import main as bench_main
 

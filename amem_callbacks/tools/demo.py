@@ -1,5 +1,6 @@
-"""``amem-callbacks demo``: a small RL-shaped loop (train, then rollout) on every
-local GPU with real NCCL suspend, or on 2 CPU processes as a dry run.
+"""``amem-callbacks demo``: a small RL-shaped loop (train, then rollout) on the
+local GPUs with real NCCL suspend (several ranks per GPU where NCCL allows it,
+so one GPU is enough), or on 2 CPU processes as a dry run.
 
 Each step trains a tiny model with a gradient all-reduce on the data-parallel
 group, then enters rollout: the policy suspends the groups rollout does not use
@@ -27,13 +28,15 @@ def _worker(rank: int, world: int, port: int, steps: int, rollout_s: float, back
     import torch.distributed as dist
 
     from amem_callbacks import OffloadPolicy, name_group
+    from amem_callbacks.tools.launch import local_device
 
     logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(message)s")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
+    device = torch.device("cuda", local_device(rank)) if use_cuda else torch.device("cpu")
     if use_cuda:
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(device)
     dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world)
+    sync = dist.new_group(backend="gloo")  # lines ranks up while NCCL groups are suspended
     groups = {}
     for role in ("dp", "tp", "ep"):
         groups[role] = dist.new_group(list(range(world)))
@@ -42,7 +45,8 @@ def _worker(rank: int, world: int, port: int, steps: int, rollout_s: float, back
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh(),
                                 torch.nn.Linear(256, 1)).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    policy = OffloadPolicy(backend=backend, keep=["tp"])
+    policy = OffloadPolicy(backend=backend, keep=["tp"],  # not the gloo sync group
+                           groups=[dist.group.WORLD, *groups.values()])
     rows = []
     for step in range(steps):
         x = torch.randn(64, 256, device=device, generator=None)
@@ -55,31 +59,51 @@ def _worker(rank: int, world: int, port: int, steps: int, rollout_s: float, back
         for g in [dist.group.WORLD, *groups.values()]:
             dist.all_reduce(torch.ones(1, device=device), group=g)  # every comm exists
         optimizer.step()
+        free_before = _gpu_free(sync, use_cuda)
         begin = policy.begin("rollout")
+        freed = _gpu_free(sync, use_cuda) - free_before if use_cuda else None
+        nccl_all = [None] * world  # every rank's own NCCL bytes (NCCL's stats)
+        dist.all_gather_object(nccl_all, begin.nccl_bytes, group=sync)
         t0 = time.monotonic()
         a = torch.randn(1024, 1024, device=device)
         while time.monotonic() - t0 < rollout_s:  # "generation": compute only
             a = torch.tanh(a @ a / 32)
         dist.all_reduce(a[:1, :1], group=groups["tp"])  # the kept group still works
         end = policy.end("rollout")
-        rows.append((step, loss.item(), begin, end))
+        rows.append((step, loss.item(), begin, end, nccl_all, freed))
     if rank == 0:
-        _print_table(rows, policy)
-    dist.barrier()
+        _print_table(rows, policy, world)
+    dist.barrier(group=sync)
     dist.destroy_process_group()
 
 
-def _print_table(rows, policy) -> None:
+def _gpu_free(sync, use_cuda: bool):
+    """cudaMemGetInfo once every rank got here: on a shared GPU it sees every rank."""
+    import torch
+    import torch.distributed as dist
+
+    if not use_cuda:
+        return None
+    torch.cuda.synchronize()
+    dist.barrier(group=sync)
+    return torch.cuda.mem_get_info()[0]
+
+
+def _print_table(rows, policy, world: int) -> None:
     mib = 2**20
+    shared = rows[-1][2].device_shared_by if rows else 1
     print(f"\nbackend: {policy.backend.name if policy.backend else 'none'}"
           f"{' (inert: ' + policy.backend_description + ')' if policy.inert else ''}")
-    print(f"{'step':>4}  {'loss':>8}  {'suspended / would':<28}  {'NCCL MiB':>8}  "
-          f"{'freed MiB':>9}  {'begin s':>7}  {'end s':>6}")
-    for step, loss, begin, end in rows:
+    if shared > 1:
+        print(f"{shared} ranks share GPU 0: 'GPU freed' is the whole device (all {shared} "
+              "ranks' buffers), 'NCCL' is each rank's own, from NCCL's stats")
+    print(f"{'step':>4}  {'loss':>8}  {'suspended / would':<24}  {'NCCL MiB rank 0':>15}  "
+          f"{'NCCL MiB all':>12}  {'GPU freed MiB':>13}  {'begin s':>7}  {'end s':>6}")
+    for step, loss, begin, end, nccl_all, freed in rows:
         moved = [g.name for g in begin.groups if g.action in ("suspended", "would suspend")]
-        freed = begin.device_freed_bytes
-        print(f"{step:>4}  {loss:>8.4f}  {','.join(moved) or begin.skipped or '-':<28}  "
-              f"{begin.nccl_bytes / mib:>8.0f}  {(freed / mib if freed is not None else 0):>9.0f}  "
+        gpu_freed = f"{freed / mib:>13.0f}" if freed is not None else f"{'-':>13}"
+        print(f"{step:>4}  {loss:>8.4f}  {','.join(moved) or begin.skipped or '-':<24}  "
+              f"{begin.nccl_bytes / mib:>15.0f}  {sum(nccl_all) / mib:>12.0f}  {gpu_freed}  "
               f"{begin.wall_seconds:>7.3f}  {end.wall_seconds:>6.3f}")
     kept = {g.name: g.reason for g in rows[-1][2].kept}
     if kept:
@@ -87,15 +111,22 @@ def _print_table(rows, policy) -> None:
     print(f"totals: {policy.counters.as_dict()}")
 
 
-def main(steps: int = 5, rollout_s: float = 0.5, backend: str = None) -> int:
-    import torch
+def main(steps: int = 5, rollout_s: float = 0.5, backend: str = None,
+         ranks: int = None) -> int:
     import torch.multiprocessing as mp
 
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    use_cuda = gpus >= 2
-    world = gpus if use_cuda else 2
+    from .launch import plan_ranks
+
+    layout = plan_ranks(ranks)
+    if layout.refused:
+        print(f"amem-callbacks demo: {layout.refused}")
+        return 1
+    use_cuda = layout.on_gpu
+    world = layout.ranks
+    os.environ.update(layout.env)  # inherited by the rank processes
     backend = backend or ("auto" if use_cuda else "noop")
-    where = f"{world} GPUs, NCCL" if use_cuda else "2 CPU processes, gloo (dry run: no GPU here)"
+    where = layout.describe() if use_cuda else (
+        f"{world} CPU processes, gloo (dry run: no GPU here)")
     print(f"amem-callbacks demo: {where}, backend {backend!r}, {steps} steps")
     mp.start_processes(_worker, args=(world, _free_port(), steps, rollout_s, backend, use_cuda),
                        nprocs=world, start_method="spawn")

@@ -13,36 +13,12 @@ import json
 import os
 import socket
 import sys
-import threading
-import time
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def caller_progress(action) -> tuple:
-    """Run ``action`` on a thread while this thread counts in pure Python;
-    returns ``(its result, counting rate during it / rate before it)``. A call
-    that holds the GIL stops the count: the ratio falls towards 0."""
-    def count_for(seconds: float) -> float:
-        n, end = 0, time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            n += 1
-        return n / seconds
-
-    baseline = count_for(0.2)
-    box = {}
-    thread = threading.Thread(target=lambda: box.setdefault("out", action()))
-    n, start = 0, time.perf_counter()
-    thread.start()
-    while thread.is_alive():
-        n += 1
-    elapsed = time.perf_counter() - start
-    thread.join()
-    return box.get("out"), (n / elapsed) / baseline if elapsed > 0 else None
 
 
 def probe(backend_name: str = "nccl") -> dict:
@@ -73,10 +49,10 @@ def probe(backend_name: str = "nccl") -> dict:
         before = backend.memory(handle)
         torch.cuda.synchronize()
         free0 = torch.cuda.mem_get_info()[0]
-        _, out["caller_progress_during_suspend"] = caller_progress(lambda: backend.suspend(handle))
+        backend.suspend(handle)
         free1 = torch.cuda.mem_get_info()[0]
         out["suspended_per_nccl"] = backend.memory(handle).suspended
-        _, out["caller_progress_during_resume"] = caller_progress(lambda: backend.resume(handle))
+        backend.resume(handle)
         t.fill_(3.0)
         dist.all_reduce(t)
         out.update(suspendable_bytes=before.suspendable, persist_bytes=before.persist,

@@ -1,8 +1,10 @@
-"""The core engine on real NCCL: 2 ranks, >= 4 groups, bytes freed, exact results,
-guard auto-resume, kept groups working, 50 cycles with flat memory.
+"""The core engine on real NCCL: N ranks, >= 4 groups, bytes freed, exact results,
+guard auto-resume, kept groups working, the caller's thread running during an
+overlapped transition (the GIL), many cycles with flat memory.
 
-Command (on 2 GPUs, NCCL >= 2.29.7 loaded, e.g. LD_PRELOAD of ../shared/tools/device-nccl's output):
-    python -m torch.distributed.run --nproc-per-node 2 tests/gpu/core_gpu.py OUT.json [CYCLES]
+Command (NCCL >= 2.29.7 loaded, e.g. LD_PRELOAD of ../shared/tools/device-nccl's
+output; several ranks per GPU need NCCL >= 2.30 and NCCL_MULTI_RANK_GPU_ENABLE=1):
+    python -m torch.distributed.run --nproc-per-node N tests/gpu/core_gpu.py OUT.json [CYCLES]
 
 Ranks synchronise over a gloo group while NCCL groups are suspended: a collective
 on a suspended NCCL communicator is undefined behaviour (an illegal memory access).
@@ -11,7 +13,6 @@ on a suspended NCCL communicator is undefined behaviour (an illegal memory acces
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import torch
@@ -20,7 +21,9 @@ import torch.distributed as dist
 from amem_callbacks import OffloadPolicy, name_group
 from amem_callbacks.memory import host_rss_bytes
 from amem_callbacks.nccl_library import NcclLibrary
-from tests.gpu.common import exact_allreduce, free_bytes
+from amem_callbacks.tools.progress import progress_during
+from tests.gpu.common import bind_device, exact_allreduce, free_bytes, ranks_per_gpu, \
+    same_gpu_total, synced_free_bytes
 
 MiB = 2**20
 
@@ -28,8 +31,7 @@ MiB = 2**20
 def main() -> None:
     out_path = sys.argv[1]
     cycles = int(sys.argv[2]) if len(sys.argv) > 2 else 50
-    local = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local)
+    bind_device()
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     sync = dist.new_group(backend="gloo")  # for barriers while NCCL groups sleep
@@ -40,21 +42,27 @@ def main() -> None:
     for g in groups.values():  # create each communicator
         assert exact_allreduce(g, 1.0)
     lib = NcclLibrary.loaded()
-    result = {"rank": rank, "nccl": lib.version_str, "nccl_path": lib.path,
-              "torch": torch.__version__, "checks": {}}
+    result = {"rank": rank, "world": world, "ranks_per_gpu": ranks_per_gpu(),
+              "nccl": lib.version_str, "nccl_path": lib.path, "torch": torch.__version__,
+              "checks": {}}
     checks = result["checks"]
 
     policy = OffloadPolicy(backend="nccl", keep=["tp"], agree_timeout_s=60)
-    free0 = free_bytes()
+    free0 = synced_free_bytes(sync)
     begin = policy.begin("rollout")
-    free1 = free_bytes()
+    free1 = synced_free_bytes(sync)
     suspended = {g.name: g.suspendable_bytes for g in begin.suspended}
-    result["first_begin"] = {"suspended": suspended, "kept": {g.name: g.reason for g in begin.kept},
-                             "device_freed": free1 - free0, "report": begin.as_dict(),
-                             "per_group_s": {g.name: g.seconds for g in begin.suspended}}
     nccl_bytes = sum(suspended.values())
+    gpu_nccl_bytes = same_gpu_total(sync, nccl_bytes)  # every rank sharing this GPU
+    result["first_begin"] = {"suspended": suspended, "kept": {g.name: g.reason for g in begin.kept},
+                             "gpu_freed": free1 - free0, "gpu_nccl_bytes": gpu_nccl_bytes,
+                             "report": begin.as_dict(), "paths": [g.path for g in begin.suspended],
+                             "stays": {g.name: [g.stays_bytes, g.stays_why]
+                                       for g in begin.suspended},
+                             "per_group_s": {g.name: g.seconds for g in begin.suspended}}
     checks["at_least_4_groups_suspended"] = len(suspended) >= 4
-    checks["freed_ge_99pct_of_suspendable"] = (free1 - free0) >= 0.99 * nccl_bytes > 0
+    checks["ctypes_path"] = all(g.path == "ctypes" for g in begin.suspended)
+    checks["freed_ge_99pct_of_suspendable"] = (free1 - free0) >= 0.99 * gpu_nccl_bytes > 0
     stats = {name: policy.backend.memory(_handle(policy, name)).suspended for name in suspended}
     checks["nccl_stats_say_suspended"] = all(stats.values())
     checks["kept_group_works_during_phase"] = exact_allreduce(groups["tp"], 3.0)
@@ -66,6 +74,24 @@ def main() -> None:
     result["first_end"] = {"report": end.as_dict(), "device_freed": free_bytes() - free1,
                            "per_group_s": {g.name: g.seconds for g in end.groups}}
     checks["exact_after_end"] = all(exact_allreduce(g, 7.0) for g in groups.values())
+
+    # The GIL: the caller's thread keeps running Python while an overlapped
+    # begin and end wait in NCCL (torch's own suspend() would stop it).
+    overlapped = OffloadPolicy(backend="nccl", keep=["tp"], overlap=True, agree_timeout_s=60)
+    progress = {}
+    for kind in ("begin", "end"):
+        dist.barrier(group=sync)
+        measured = progress_during(
+            lambda: overlapped.begin("rollout") if kind == "begin" else overlapped.end("rollout"),
+            lambda report: report.pending)
+        report = measured.pop("handle")
+        overlapped.wait()
+        progress[kind] = {**measured, "transition_s": report.wall_seconds,
+                          "gil_held": report.gil_held}
+    result["caller_progress"] = progress
+    checks["caller_progress_ge_0.8"] = all(
+        p["ratio"] is not None and p["ratio"] >= 0.8 for p in progress.values())
+    checks["exact_after_overlapped_cycle"] = all(exact_allreduce(g, 9.0) for g in groups.values())
 
     # many cycles: memory after each end and during each phase must stay flat
     after_end, during, rss_after, rss_during, begin_s, end_s = [], [], [], [], [], []
@@ -92,7 +118,7 @@ def main() -> None:
         "host_rss_after_end_first_last": [rss_after[warm], rss_after[-1]],
         "begin_wall_s_median": sorted(begin_s)[len(begin_s) // 2],
         "end_wall_s_median": sorted(end_s)[len(end_s) // 2],
-        "nccl_bytes_suspended": nccl_bytes,
+        "nccl_bytes_suspended": nccl_bytes, "gpu_nccl_bytes": gpu_nccl_bytes,
         "host_rss_during_minus_after": rss_during[-1] - rss_after[-1],
     }
     checks["device_memory_flat_1pct"] = spread(after_end) <= 0.01 * total and \
@@ -105,7 +131,8 @@ def main() -> None:
         json.dump(result, f, indent=1)
     dist.barrier(group=sync)
     dist.destroy_process_group()
-    print(f"rank {rank}: {'OK' if result['ok'] else 'FAILED'} {json.dumps(checks)}", flush=True)
+    print(f"rank {rank}: {'OK' if result['ok'] else 'FAILED'} {json.dumps(checks)} "
+          f"progress {[round(p['ratio'] or 0, 3) for p in progress.values()]}", flush=True)
     sys.exit(0 if result["ok"] else 1)
 
 

@@ -1,0 +1,71 @@
+"""How many ranks to start on the GPUs this machine has, and on which device each.
+
+NCCL >= 2.30 runs several ranks of one communicator on one GPU when
+``NCCL_MULTI_RANK_GPU_ENABLE=1`` (measured on one H200: 2 and 8 ranks, every
+suspend, resume and collective exact); 2.29.x refuses it ("Multiple Ranks are
+using the same GPU"). So one GPU can show the real thing, with this caveat:
+memory and time are then shared-GPU figures (every rank's buffers sit on the
+same device, and the ranks' transitions compete for it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+MULTI_RANK_MIN_VERSION = (2, 30, 0)
+MULTI_RANK_ENV = {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}
+
+
+def local_device(local_rank: int) -> int:
+    """The GPU of a local rank: round robin over the visible GPUs."""
+    import torch
+
+    return local_rank % max(1, torch.cuda.device_count())
+
+
+@dataclass
+class Layout:
+    """Ranks to start and how, or why they cannot start on the GPUs here."""
+
+    ranks: int
+    gpus: int
+    env: dict = field(default_factory=dict)  # to set before the ranks start
+    refused: Optional[str] = None  # why several ranks cannot share a GPU here, with the fix
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.gpus > 0 and self.refused is None
+
+    @property
+    def ranks_per_gpu(self) -> int:
+        return -(-self.ranks // self.gpus) if self.gpus else 0
+
+    def describe(self) -> str:
+        if not self.on_gpu:
+            return f"{self.ranks} CPU processes, gloo"
+        if self.ranks_per_gpu > 1:
+            return (f"{self.ranks} ranks on {self.gpus} GPU(s), up to {self.ranks_per_gpu} per "
+                    "GPU: real NCCL suspend, but memory and time are shared-GPU figures, not "
+                    "what one rank on its own GPU would see")
+        return f"{self.ranks} ranks on {self.gpus} GPU(s), one per GPU, NCCL"
+
+
+def plan_ranks(requested: Optional[int] = None) -> Layout:
+    """At least 2 ranks (a communicator needs peers to hold buffers), default one per GPU."""
+    import torch
+
+    from ..nccl_library import NcclLibrary, version_string
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    ranks = requested or max(2, gpus)
+    if gpus == 0 or ranks <= gpus:
+        return Layout(ranks=ranks, gpus=gpus)
+    lib = NcclLibrary.loaded()
+    if lib is None or lib.version < MULTI_RANK_MIN_VERSION:
+        found = f"NCCL {lib.version_str}" if lib else "no NCCL"
+        return Layout(ranks=ranks, gpus=gpus, refused=(
+            f"{ranks} ranks on {gpus} GPU(s) need several ranks per GPU, which {found} refuses "
+            f"(NCCL >= {version_string(MULTI_RANK_MIN_VERSION)} allows it). Fix: pip install -U "
+            f"'nvidia-nccl-cu13>={version_string(MULTI_RANK_MIN_VERSION)}', or --ranks {gpus}"))
+    return Layout(ranks=ranks, gpus=gpus, env=dict(MULTI_RANK_ENV))

@@ -1,0 +1,138 @@
+"""One command for the whole GPU suite, on 1, 2 or 8 GPUs alike.
+
+    python -m tests.gpu.run_all --out results/gpu/NAME [--ranks N] [--only core,multinode]
+
+Runs each suite with N ranks (default: one per GPU, at least 2; more ranks
+than GPUs share them: NCCL >= 2.30, NCCL_MULTI_RANK_GPU_ENABLE=1 is set here),
+writes one JSON per suite under --out and a summary.json with, per suite, the
+exact command, exit code, seconds and verdict, plus torch, the loaded NCCL and
+the GPUs. A suite whose framework is not installed (megatron-core, trl) is
+reported as skipped, with why. Preload a suspend-capable NCCL first, e.g.
+``LD_PRELOAD=/tmp/nccl/libnccl.so.2`` (../shared/tools/device-nccl).
+
+``--small-buffers`` sets NCCL_BUFFSIZE=1 MiB and NCCL_MAX_NCHANNELS=4 for the
+functional suites: the behaviour is the same, the transitions of several
+ranks on one GPU much shorter (fewer and smaller buffers to copy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SMALL_BUFFERS = {"NCCL_BUFFSIZE": str(1 << 20), "NCCL_MAX_NCHANNELS": "4"}
+
+
+def suites(ranks: int, out: str, cycles: int) -> dict:
+    """name -> (command, needs module or None, result file)."""
+    py = sys.executable
+    torchrun = [py, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
+    j = lambda name: os.path.join(out, f"{name}.json")  # noqa: E731
+    return {
+        "doctor": ([py, "-m", "amem_callbacks.tools.cli", "doctor", "--json"], None, None),
+        "core": (torchrun + ["tests/gpu/core_gpu.py", j("core"), str(cycles)], None, j("core")),
+        "reliability": ([py, "tests/gpu/reliability_gpu.py", j("reliability")], None,
+                        j("reliability")),
+        "multinode": ([py, "tests/gpu/multinode_gpu.py", j("multinode"), "--ranks", "8"], None,
+                      j("multinode")),
+        "multinode_tp_in_node": ([py, "tests/gpu/multinode_gpu.py", j("multinode_tp_in_node"),
+                                  "--ranks", "8", "--ranks-per-node", "2"], None,
+                                 j("multinode_tp_in_node")),
+        "demo": ([py, "-m", "amem_callbacks.tools.cli", "demo", "--ranks", str(ranks),
+                  "--steps", "3"], None, None),
+        "bench_touch": ([py, "-m", "amem_callbacks.tools.cli", "bench", "--ranks", str(ranks),
+                         "--groups", "4", "--steps", "3", "--rollout-s", "2", "--train-s", "0.5",
+                         "--modes", "none,touch,touch-nolearn", "--sweep", "",
+                         "--guard-calls", "2400", "--out", os.path.join(out, "bench_touch")],
+                        None, os.path.join(out, "bench_touch", "bench.json")),
+        "megatron": (torchrun + ["tests/gpu/megatron_gpu.py", j("megatron")], "megatron.core",
+                     j("megatron")),
+        "trl": (torchrun + ["tests/gpu/trl_gpu.py", j("trl")], "trl", j("trl")),
+    }
+
+
+def _verdict(path) -> object:
+    if not path or not os.path.exists(path):
+        return None
+    try:
+        data = json.load(open(path))
+    except (OSError, ValueError):
+        return None
+    return data.get("ok") if isinstance(data, dict) else None
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--ranks", type=int, default=None)
+    parser.add_argument("--only", default="", help="comma list of suites (default: all)")
+    parser.add_argument("--cycles", type=int, default=5, help="core suite's begin/end cycles")
+    parser.add_argument("--small-buffers", action="store_true")
+    parser.add_argument("--timeout", type=int, default=900, help="per suite, seconds")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from amem_callbacks.nccl_library import NcclLibrary
+    from amem_callbacks.tools.launch import plan_ranks
+
+    layout = plan_ranks(args.ranks)
+    if layout.refused or not layout.on_gpu:
+        print(layout.refused or "no GPU here: the GPU suite needs CUDA")
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    env = dict(os.environ, **layout.env, AMEM_GPU_QUICK="1" if layout.ranks_per_gpu > 1 else "0",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if args.small_buffers:
+        env.update(SMALL_BUFFERS)
+    table = suites(layout.ranks, args.out, args.cycles)
+    chosen = [n for n in args.only.split(",") if n] or list(table)
+    unknown = sorted(set(chosen) - set(table))
+    if unknown:
+        raise SystemExit(f"unknown suite(s) {unknown}: choose from {sorted(table)}")
+    lib = NcclLibrary.loaded()
+    summary = {"command": "python -m tests.gpu.run_all " + " ".join(sys.argv[1:] if argv is None
+                                                                    else argv),
+               "torch": torch.__version__, "nccl_loaded": lib.version_str if lib else None,
+               "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+               "ranks": layout.ranks, "ranks_per_gpu": layout.ranks_per_gpu,
+               "env": {k: env.get(k) for k in ("LD_PRELOAD", "NCCL_MULTI_RANK_GPU_ENABLE",
+                                               "NCCL_BUFFSIZE", "NCCL_MAX_NCHANNELS",
+                                               "AMEM_GPU_QUICK", "TORCH_DIST_USE_NCCL2")},
+               "suites": {}}
+    for name in chosen:
+        command, needs, result = table[name]
+        row = {"command": " ".join(command)}
+        if needs and importlib.util.find_spec(needs.split(".")[0]) is None:
+            row.update(ok=None, skipped=f"{needs} is not installed here")
+        else:
+            start = time.monotonic()
+            try:
+                run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                                     timeout=args.timeout)
+                row.update(exit_code=run.returncode, tail=(run.stdout + run.stderr)[-3000:])
+            except subprocess.TimeoutExpired as exc:
+                row.update(exit_code=None, hung_past_s=args.timeout,
+                           tail=str(exc.stdout or "")[-2000:])
+            row["seconds"] = round(time.monotonic() - start, 1)
+            verdict = _verdict(result)
+            row["ok"] = (row.get("exit_code") == 0) if verdict is None else bool(verdict)
+            if name == "doctor" and row.get("exit_code") is not None:
+                row["doctor"] = json.loads(run.stdout) if run.stdout.strip() else None
+        summary["suites"][name] = row
+        print(f"{name:22} {'PASS' if row['ok'] else 'n/a' if row['ok'] is None else 'FAIL'}"
+              f"  {row.get('seconds', 0):7.1f} s", flush=True)
+        with open(os.path.join(args.out, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1, default=str)
+    return 0 if all(r["ok"] is not False for r in summary["suites"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
