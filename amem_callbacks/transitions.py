@@ -230,7 +230,9 @@ class Transitions:
         report.total_seconds = report.agree_seconds + sum(g.seconds for g in moved)
         report.wall_seconds = time.monotonic() - report.started
         self.counters.transition_seconds += report.total_seconds
-        if report.kind is Kind.BEGIN and report.device_freed_bytes is not None:
+        # On a shared GPU the reading is the whole device's, not this rank's: not counted.
+        if (report.kind is Kind.BEGIN and report.device_freed_bytes is not None
+                and report.device_shared_by <= 1):
             self.counters.last_device_freed_bytes = report.device_freed_bytes
             self.counters.max_device_freed_bytes = max(self.counters.max_device_freed_bytes,
                                                        report.device_freed_bytes)

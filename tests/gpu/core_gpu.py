@@ -78,16 +78,21 @@ def main() -> None:
     # The GIL: the caller's thread keeps running Python while an overlapped
     # begin and end wait in NCCL (torch's own suspend() would stop it).
     overlapped = OffloadPolicy(backend="nccl", keep=["tp"], overlap=True, agree_timeout_s=60)
-    progress = {}
-    for kind in ("begin", "end"):
-        dist.barrier(group=sync)
-        measured = progress_during(
-            lambda: overlapped.begin("rollout") if kind == "begin" else overlapped.end("rollout"),
-            lambda report: report.pending)
-        report = measured.pop("handle")
-        overlapped.wait()
-        progress[kind] = {**measured, "transition_s": report.wall_seconds,
-                          "gil_held": report.gil_held}
+    progress = {"begin": [], "end": []}
+    for _repeat in range(3):  # a shared GPU is noisy: the median of three
+        for kind in ("begin", "end"):
+            dist.barrier(group=sync)
+            measured = progress_during(
+                lambda: overlapped.begin("rollout") if kind == "begin"
+                else overlapped.end("rollout"),
+                lambda report: report.pending)
+            report = measured.pop("handle")
+            overlapped.wait()
+            progress[kind].append({**measured, "transition_s": report.wall_seconds,
+                                   "gil_held": report.gil_held})
+    for kind, rows in progress.items():
+        ratios = sorted(r["ratio"] for r in rows if r["ratio"] is not None)
+        progress[kind] = {"ratio": ratios[len(ratios) // 2] if ratios else None, "runs": rows}
     result["caller_progress"] = progress
     checks["caller_progress_ge_0.8"] = all(
         p["ratio"] is not None and p["ratio"] >= 0.8 for p in progress.values())
