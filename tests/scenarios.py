@@ -469,7 +469,7 @@ def learn_keep(args):
         allreduce_ok(g)
     fake = FakeNccl()
     learn = args.get("learn", [True, True])[rank()]
-    policy = OffloadPolicy(backend=fake.backend(), keep=["tp"], learn_keep=learn,
+    policy = OffloadPolicy(backend=fake.backend(), keep=args.get("keep", ["tp"]), learn_keep=learn,
                            guard=args.get("guard", "resume"), agree_timeout_s=20, timeout_s=30)
     phases = []
     for phase in range(args.get("phases", 3)):
@@ -486,6 +486,7 @@ def learn_keep(args):
         before = policy.counters.auto_resumes
         end = policy.end("rollout")
         phases.append({"dp": [dp.action, dp.reason], "raised": raised,
+                       "ep": next(g.action for g in begin.groups if g.name == "ep"),
                        "dp_suspended_by_fake": fake.controls.count(fake.comms["dp"], SUSPEND_OP),
                        "auto_resumes": before, "learned": end.learned,
                        "exact": all(allreduce_ok(g) for g in groups.values())})

@@ -106,6 +106,16 @@ def test_an_invalid_value_fails_at_parsing_with_the_choices(hooks_removed, capsy
     assert expected in capsys.readouterr().err
 
 
+def test_no_learn_keep_flag_reaches_the_policy(hooks_removed):
+    from amem_callbacks.adapters.megatron import RolloutOffload, settings_from_args
+
+    settings = settings_from_args(parse(["--rl-amem-offload-during-rollout",
+                                         "--rl-amem-no-learn-keep"]))
+    assert settings.learn_keep is False and settings_from_args(parse([])).learn_keep is True
+    with pytest.raises(ValueError, match="overlap has nothing to hide"):
+        RolloutOffload(settings, policy_options={"overlap": True})
+
+
 def test_group_id_without_amem_is_ignored_with_a_warning(hooks_removed, caplog):
     from amem_callbacks.adapters.megatron import settings_from_args
 
@@ -230,7 +240,7 @@ def test_launcher_runs_a_script_with_the_flags_and_hooks(tmp_path):
         res = json.load(open(tmp_path / f"rank{rank}.json"))
         assert res["script_args"]["grpo_group_size"] == 4  # the script got its own flags
         assert res["settings"] == {"enabled": True, "backend": "noop", "keep": ["dp", "world"],
-                                   "group_id": None}
+                                   "group_id": None, "learn_keep": True}
         kinds = [(via, kind) for via, kind, _ in res["reports"]]
         assert kinds == [("DynamicInferenceEngine.resume", "begin"),
                          ("DynamicInferenceEngine.suspend", "end")] * 2

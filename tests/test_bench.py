@@ -23,7 +23,8 @@ def test_dry_run_says_so_and_prints_one_table(bench):
     run, _ = bench
     assert "dry run on 2 CPU processes with the noop backend" in run.stdout
     assert run.stdout.count("mean step s") == 1
-    for figure in ("P1", "P2", "P2b", "P3", "P4", "recreate_over_overlap"):
+    assert " ok" not in run.stdout and "MISSED" not in run.stdout  # no verdicts on a dry run
+    for figure in ("P1", "P2", "P2b", "P3", "P4", "recreate_over_overlap", "P5"):
         assert f"\n{figure} " in run.stdout
 
 
@@ -34,6 +35,7 @@ def test_report_is_internally_consistent(bench):
     for mode, mean in report["mean_step_s"].items():
         assert report["extra_step_s"][mode] == pytest.approx(mean - report["mean_step_s"]["none"])
     figures = report["figures"]
+    assert set(report["goal_met"].values()) == {None}
     assert figures["P2"] == pytest.approx(report["extra_step_s"]["overlap"]
                                           / report["extra_step_s"]["naive"])
     assert figures["P2b"] == pytest.approx(report["begin_to_memory_free_s"]["overlap"]

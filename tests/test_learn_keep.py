@@ -50,3 +50,10 @@ def test_forget_learned_suspends_the_group_again_and_keep_still_wins():
     for res in phases(phases=3, touch_phases=[0], forget_after=2):
         assert [p["dp"][0] for p in res["phases"]] == ["suspended", "kept", "suspended"]
         assert all(p["exact"] for p in res["phases"])
+
+
+def test_keep_given_by_the_user_wins_and_nothing_is_learned_for_it():
+    for res in phases(phases=2, keep=["tp", "dp"]):
+        assert [p["dp"] for p in res["phases"]] == [["kept", "kept active for phase 'rollout'"]] * 2
+        assert [p["ep"] for p in res["phases"]] == ["suspended", "suspended"]
+        assert res["phases"][1]["auto_resumes"] == 0 and res["metrics"] == {}

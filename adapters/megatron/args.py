@@ -23,12 +23,14 @@ class Settings:
         backend: ``--rl-amem-backend``.
         keep: ``--rl-amem-keep-groups``, as role names.
         group_id: ``--rl-amem-group-id`` (AMem's ``ncclSetGroupID``).
+        learn_keep: off with ``--rl-amem-no-learn-keep``.
     """
 
     enabled: bool = False
     backend: str = "auto"
     keep: tuple = ()
     group_id: Optional[int] = None
+    learn_keep: bool = True
 
     def backend_options(self) -> dict:
         return {"amem": {"group_id": self.group_id}} if self.group_id is not None else {}
@@ -71,6 +73,10 @@ def _define(group) -> None:
         help="parallel_state roles to keep active during rollout besides the ones the "
              "engine uses (e.g. dp,world)")
     group.add_argument(
+        "--rl-amem-no-learn-keep", action="store_true",
+        help="do not keep a group active in later rollouts after the guard had to resume "
+             "it during one (by default such a group stays active from then on)")
+    group.add_argument(
         "--rl-amem-group-id", type=group_id, default=None, metavar="N",
         help="AMem only: ncclSetGroupID value, set before the first communicator exists")
 
@@ -102,13 +108,14 @@ def settings_from_args(args) -> Settings:
         enabled=bool(getattr(args, "rl_amem_offload_during_rollout", False)),
         backend=getattr(args, "rl_amem_backend", "auto") or "auto",
         keep=tuple(getattr(args, "rl_amem_keep_groups", ()) or ()),
-        group_id=getattr(args, "rl_amem_group_id", None))
+        group_id=getattr(args, "rl_amem_group_id", None),
+        learn_keep=not getattr(args, "rl_amem_no_learn_keep", False))
     if settings.group_id is not None and settings.backend not in ("auto", "amem"):
         logger.warning("amem_callbacks: --rl-amem-group-id applies to --rl-amem-backend amem "
                        "(or auto); ignored with backend %r", settings.backend)
         settings = dataclasses.replace(settings, group_id=None)
     if not settings.enabled and (settings.keep or settings.backend != "auto"
-                                 or settings.group_id is not None):
+                                 or settings.group_id is not None or not settings.learn_keep):
         logger.warning("amem_callbacks: --rl-amem-* options given without "
                        "--rl-amem-offload-during-rollout: nothing will be offloaded")
     return settings

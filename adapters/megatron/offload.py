@@ -102,7 +102,7 @@ class RolloutOffload:
         return OffloadPolicy(
             backend=self._backend or self.settings.backend, keep={"rollout": plan.kept_names},
             groups=plan.groups, backend_options=self.settings.backend_options(),
-            **self._policy_options)
+            **{"learn_keep": self.settings.learn_keep, **self._policy_options})
 
     def _logged(self, report, via: str):
         if report is not None:

@@ -118,7 +118,9 @@ def worker(config: str, out_dir: str) -> bool:
     from megatron.core import parallel_state as ps
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    from tests.gpu.common import bind_device
+
+    bind_device()  # LOCAL_RANK % GPUs: several ranks may share one
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     sync = dist.new_group(backend="gloo")

@@ -247,7 +247,9 @@ def main() -> None:
     args = parser.parse_args()
     backend = "noop" if SMOKE else "nccl"
     if not SMOKE:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        from tests.gpu.common import bind_device
+
+        bind_device()  # LOCAL_RANK % GPUs: several ranks may share one
     torch.use_deterministic_algorithms(True, warn_only=True)
     record_begins()
     result = {"torch": torch.__version__, "args": vars(args), "runs": {}}
