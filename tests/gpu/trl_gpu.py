@@ -24,6 +24,13 @@ control: if it differs from the first, the comparison says nothing). Checks:
 Rank 0 writes every rank's figures and checks to OUT ("ok": all checks hold).
 ``--cpu-smoke`` runs the same plumbing on CPU over gloo with the noop backend
 (the memory checks then fail by design): a check of the script, not a proof.
+
+``--fsdp2``: the model is sharded with FSDP2 (accelerate, ``fsdp_version: 2``).
+Generation then all-gathers parameters on the default group, so nothing may be
+suspended: the checks become "the callback kept world, saying why, suspended
+nothing, never resumed anything by the guard, and losses are identical".
+Several ranks on one GPU: accelerate picks ``cuda:LOCAL_RANK``, so LOCAL_RANK
+is set to the shared device here.
 """
 
 from __future__ import annotations
@@ -164,11 +171,20 @@ def record_begins() -> None:
     OffloadPolicy.begin = begin
 
 
+def fsdp2_options(args) -> dict:
+    if not args.fsdp2:
+        return {}
+    return {"fsdp": True, "gradient_checkpointing": False,
+            "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"],
+                            "reshard_after_forward": True}}
+
+
 def run(args, name: str, callback_options=None) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     BEGINS.clear()
     config = GRPOConfig(
+        **fsdp2_options(args),
         output_dir=os.path.join("/tmp", "amem-trl-gpu", name), bf16=not SMOKE, use_cpu=SMOKE,
         per_device_train_batch_size=args.batch, num_generations=args.batch,
         max_completion_length=args.completion_length, max_steps=args.steps, logging_steps=1,
@@ -211,6 +227,14 @@ def checks_for(result: dict, args) -> dict:
     base, again = result["runs"]["baseline"], result["runs"]["baseline_again"]
     checks = {"control_baseline_repeats_exactly": base["loss"] == again["loss"]
               and base["grad_norm"] == again["grad_norm"]}
+    if args.fsdp2:
+        for name in ("amem", "amem_overlap"):
+            runs = result["runs"][name]
+            checks[f"{name}_world_kept_with_the_reason"] = "FSDP" in runs["kept"].get("world", "")
+            checks[f"{name}_nothing_suspended"] = all(not b["suspended"] for b in runs["begins"])
+            checks[f"{name}_no_guard_resume"] = runs["counters"]["amem/total/auto_resumes"] == 0
+            checks[f"{name}_losses_identical"] = runs["loss"] == base["loss"]
+        return checks
     for name in ("amem", "amem_overlap"):
         runs = result["runs"][name]
         begins = runs["begins"]
@@ -244,12 +268,13 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--cpu-smoke", action="store_true")
+    parser.add_argument("--fsdp2", action="store_true")
     args = parser.parse_args()
     backend = "noop" if SMOKE else "nccl"
     if not SMOKE:
         from tests.gpu.common import bind_device
 
-        bind_device()  # LOCAL_RANK % GPUs: several ranks may share one
+        os.environ["LOCAL_RANK"] = str(bind_device())  # LOCAL_RANK % GPUs, for accelerate too
     torch.use_deterministic_algorithms(True, warn_only=True)
     record_begins()
     result = {"torch": torch.__version__, "args": vars(args), "runs": {}}
@@ -274,8 +299,9 @@ def main() -> None:
     dist.all_gather_object(everyone, result)
     if dist.get_rank() == 0:
         summary = {"ok": all(all(r["checks"].values()) for r in everyone),
-                   "command": "python3 -m torch.distributed.run --nproc-per-node 2 "
-                              "tests/gpu/trl_gpu.py " + " ".join(sys.argv[1:]),
+                   "command": f"python3 -m torch.distributed.run --nproc-per-node "
+                              f"{dist.get_world_size()} tests/gpu/trl_gpu.py "
+                              + " ".join(sys.argv[1:]),
                    "ranks": everyone}
         with open(args.out, "w") as f:
             json.dump(summary, f, indent=1, default=str)
