@@ -43,7 +43,7 @@ import threading
 from typing import Optional
 
 from amem_callbacks.groups import register_roles
-from amem_callbacks.patching import Patches, when_imported
+from amem_callbacks.patching import Patches, when_imported, wrapper
 from amem_callbacks.session import RolloutSession
 
 from ._verl_config import CONFIG_KEY, AmemSettings, read_settings
@@ -299,19 +299,10 @@ def _patch_checkpoint_engine(module) -> None:
         inner = inspect.unwrap(method, stop=inspect.iscoroutinefunction)
         if not inspect.iscoroutinefunction(inner):
             raise TypeError("CheckpointEngineManager.sleep_replicas is not a coroutine function")
-        return auto_await(_with_original(inner, signal_after_sleep))
+        return auto_await(wrapper(inner, signal_after_sleep))
 
     _patches.wrap(module.CheckpointEngineManager, "sleep_replicas", replace=replace,
                   required=True)
-
-
-def _with_original(original, around):
-    import functools
-
-    @functools.wraps(original)
-    async def wrapped(*args, **kwargs):
-        return await around(original, *args, **kwargs)
-    return wrapped
 
 
 def _patch_tracking(module) -> None:

@@ -24,7 +24,7 @@ def is_wrapped(fn) -> bool:
     return getattr(fn, MARK, None) is not None
 
 
-def _wrapper(original: Callable, around: Callable) -> Callable:
+def wrapper(original: Callable, around: Callable) -> Callable:
     """``around(original, *args, **kwargs)`` in the shape of ``original``: a
     coroutine function stays one (``around`` may then be sync or async)."""
     if inspect.iscoroutinefunction(original):
@@ -80,7 +80,7 @@ class Patches:
             new = replace(original)
             setattr(new, MARK, original)
         else:
-            new = _wrapper(original, around or _before_after(before, after))
+            new = wrapper(original, around or _before_after(before, after))
         self._done.append((owner, name, original, name in vars(owner)))
         setattr(owner, name, new)
         return True
