@@ -64,8 +64,10 @@ class AMemCallback(TrainerCallback):
             unchanged), "nccl", "amem", "noop" (dry run), or a Backend instance.
         keep: groups to leave active during generation (see ``OffloadPolicy``).
             The groups generation itself uses are added by the callback: vLLM's
-            tensor-parallel group, and the default group where FSDP or
-            DeepSpeed ZeRO-3 gathers parameters while the model generates.
+            tensor-parallel group, and where FSDP or DeepSpeed ZeRO-3 shards the
+            model, the groups it gathers parameters over while generating (FSDP2:
+            the mesh dims its parameters are sharded on, not HSDP's replicate
+            dims) and, with transformers generation, the default group.
         guard: "resume", "strict" or "off" (see ``OffloadPolicy``).
         overlap: suspend in the background while the model generates.
         suspend_in_server_mode: with ``vllm_mode="server"`` generation runs on

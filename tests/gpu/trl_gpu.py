@@ -31,6 +31,35 @@ suspended: the checks become "the callback kept world, saying why, suspended
 nothing, never resumed anything by the guard, and losses are identical".
 Several ranks on one GPU: accelerate picks ``cuda:LOCAL_RANK``, so LOCAL_RANK
 is set to the shared device here.
+
+``--hsdp``: FSDP2 with HSDP through transformers' ``parallelism_config``
+(accelerate ``ParallelismConfig(dp_replicate_size=2, dp_shard_size=world/2)``,
+one ParallelismConfig for all four runs, so they share its mesh groups).
+accelerate builds the mesh ("dp_replicate", "dp_shard"), flattens "dp",
+"dp_shard_cp" and "dp_cp", and shards over ("dp_replicate", "dp_shard_cp"):
+parameters are (Replicate(), Shard(0)). Generation all-gathers over
+dp_shard_cp only, and transformers' generate all-reduces its finished flag on
+world (synced_gpus); dp_replicate carries only the backward all-reduce.
+Checks: the shard group is kept with its reason, world with the synced_gpus
+reason, nothing else is kept, the dp_replicate group is suspended at every
+generation, no guard resume (else the group and the call are in the JSON),
+losses and gradient norms identical, one begin/end per generation, and the
+GPU's free memory at model.generate (read between barriers of a gloo group, so
+every rank has suspended) plus the ranks' reserved-memory change rises by
+>= 90 % of the suspended NCCL bytes of all ranks sharing the GPU. Each begin's
+and end's groups (name, key, size, action, reason, bytes), guard resumes, the
+mesh layout (each dim's group key and ranks), the versions and the NCCL
+environment go to OUT. Four ranks on one GPU (NCCL >= 2.30,
+NCCL_MULTI_RANK_GPU_ENABLE=1):
+    python3 -m torch.distributed.run --nproc-per-node 4 tests/gpu/trl_gpu.py OUT.json --hsdp \\
+        --steps 3 --hidden 256 --layers 2 --completion-length 64 --batch 4
+(--batch is both per_device_train_batch_size and num_generations: 4 ranks x 4
+= 16 completions per step, 4 prompts of 4, divisible as GRPO requires). ``--small-buffers`` sets NCCL_BUFFSIZE=1 MiB and
+NCCL_MAX_NCHANNELS=4 before NCCL starts (smaller communicators: faster
+suspends with several ranks on one GPU, less memory to free).
+On CPU (``--cpu-smoke``) accelerate drops FSDP (use_cpu gives DDP over gloo), so
+only the plumbing runs there; tests/test_trl_groups.py covers the group choice
+on real FSDP2 over gloo.
 """
 
 from __future__ import annotations
@@ -65,10 +94,16 @@ def import_callback():
 
 
 AMemCallback = import_callback()
-from amem_callbacks import OffloadPolicy  # noqa: E402
+from amem_callbacks import OffloadPolicy, name_group  # noqa: E402
+from amem_callbacks.groups import register_roles  # noqa: E402
 
 VOCAB = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(4093)]
 BEGINS: list = []  # every begin report of the current run, in order
+ENDS: list = []  # every end report of the current run, in order
+SYNC = []  # [a gloo group over every rank]: barriers for GPU-wide memory readings
+PARALLELISM = []  # [the ParallelismConfig every --hsdp run shares]
+SYNC_ROLE = "trl_gpu_sync"  # kept: the spy's barriers run on it while generating
+register_roles([SYNC_ROLE])
 SMOKE = "--cpu-smoke" in sys.argv  # runs the script's plumbing on CPU/gloo with the noop backend
 
 
@@ -139,19 +174,36 @@ def memory_now() -> dict:
     return {"free": torch.cuda.mem_get_info()[0], "reserved": torch.cuda.memory_reserved()}
 
 
-def spy_generation(trainer, samples: list) -> None:
+def sync_group():
+    """A gloo group over every rank, created once (collective: every rank calls it
+    at the same point, after the first trainer set the default group up)."""
+    if not SYNC:
+        SYNC.append(dist.new_group(backend="gloo"))
+        name_group(SYNC[0], SYNC_ROLE)
+    return SYNC[0]
+
+
+def spy_generation(trainer, samples: list, synced: bool = False) -> None:
     """Device memory when _generate starts (before the suspend) and when the model
-    starts generating (after it): an independent reading of what was freed."""
+    starts generating (after it): an independent reading of what was freed.
+    ``synced``: read after a barrier of every rank, so that on a shared GPU every
+    rank has suspended (and the GPU-wide free memory says so) when it is read."""
     outer, inner = trainer._generate, trainer.model.generate
     mark = {}
 
+    def read():
+        if synced:
+            synchronize()
+            dist.barrier(group=sync_group())
+        return memory_now()
+
     def _generate(*args, **kwargs):
-        mark["entry"] = memory_now()
+        mark["entry"] = read()
         return outer(*args, **kwargs)
 
     def generate(*args, **kwargs):
         if "entry" in mark:
-            now = memory_now()
+            now = read()
             samples.append({"free_gain": now["free"] - mark["entry"]["free"],
                             "reserved_gain": now["reserved"] - mark["entry"]["reserved"]})
             mark.clear()
@@ -161,28 +213,98 @@ def spy_generation(trainer, samples: list) -> None:
 
 
 def record_begins() -> None:
-    original = OffloadPolicy.begin
+    """Every begin and end report of the policies (class-wide)."""
+    for kind, reports in (("begin", BEGINS), ("end", ENDS)):
+        original = getattr(OffloadPolicy, kind)
 
-    def begin(self, *args, **kwargs):
-        report = original(self, *args, **kwargs)
-        BEGINS.append(report)
-        return report
+        def recorded(self, *args, _original=original, _reports=reports, **kwargs):
+            report = _original(self, *args, **kwargs)
+            _reports.append(report)
+            return report
 
-    OffloadPolicy.begin = begin
+        setattr(OffloadPolicy, kind, recorded)
+
+
+def group_rows(report) -> list:
+    """Each group of a transition: name, key, size, action, reason, bytes."""
+    return [{"name": g.name, "key": g.key, "size": g.size,
+             "action": getattr(g.action, "value", str(g.action)), "reason": g.reason,
+             "suspendable_bytes": g.suspendable_bytes, "seconds": g.seconds}
+            for g in report.groups]
+
+
+def parallelism_config(args):
+    """The one ParallelismConfig of every --hsdp run: it builds its mesh once, so
+    the four runs use the same groups (a new one per run would leave the previous
+    runs' communicators around for the next run to suspend)."""
+    if not PARALLELISM:
+        from accelerate import ParallelismConfig
+
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world < 4 or world % 2:
+            raise SystemExit(f"--hsdp needs an even number of ranks >= 4, got {world}")
+        config = ParallelismConfig(dp_replicate_size=2, dp_shard_size=world // 2)
+        if SMOKE:  # accelerate refuses a ParallelismConfig on CPU (MULTI_CPU, no FSDP):
+            # let it build the mesh anyway, so the smoke reads a real mesh; DDP trains
+            config._validate_accelerator = lambda accelerator: None
+        PARALLELISM.append(config)
+    return PARALLELISM[0]
+
+
+def mesh_layout(trainer) -> dict:
+    """accelerate's mesh as this rank sees it: each dim's group, ranks, and whether it
+    is the default group itself."""
+    from torch.distributed import distributed_c10d as c10d
+
+    mesh = getattr(trainer.accelerator, "torch_device_mesh", None)
+    if mesh is None:
+        return {}
+    out = {}
+    for dim in ("dp_replicate", "dp_shard", "dp", "dp_shard_cp", "dp_cp"):
+        try:
+            group = mesh[dim].get_group()
+        except Exception as exc:  # noqa: BLE001 - a dim this torch or layout lacks
+            out[dim] = {"error": str(exc)[:200]}
+            continue
+        out[dim] = {"key": group.group_name, "ranks": dist.get_process_group_ranks(group),
+                    "is_world": group is c10d._get_default_group(),
+                    "desc": getattr(group, "group_desc", None)}
+    out["fsdp_dims"] = list(PARALLELISM[0].fsdp_dim_names) if PARALLELISM else None
+    param = next(trainer.model.parameters())
+    out["param_placements"] = [str(p) for p in getattr(param, "placements", ())]
+    out["param_mesh_dims"] = list(getattr(getattr(param, "device_mesh", None),
+                                          "mesh_dim_names", None) or ())
+    return out
+
+
+def same_gpu_sums(values: list) -> list:
+    """Element-wise sums of ``values`` over the ranks on this rank's GPU (collective)."""
+    from amem_callbacks.placement import device_id
+
+    mine = device_id(None if SMOKE else torch.cuda.current_device())
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (mine, list(values)), group=sync_group())
+    rows = [v for dev, v in everyone if dev == mine]
+    return [sum(row[i] for row in rows) for i in range(len(values))]
 
 
 def fsdp2_options(args) -> dict:
-    if not args.fsdp2:
+    if not (args.fsdp2 or args.hsdp):
         return {}
-    return {"fsdp": True, "gradient_checkpointing": False,
-            "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"],
-                            "reshard_after_forward": True}}
+    options = {"fsdp": True, "gradient_checkpointing": False,
+               "fsdp_config": {"version": 2,
+                               "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"],
+                               "reshard_after_forward": True}}
+    if args.hsdp:
+        options["parallelism_config"] = parallelism_config(args)
+    return options
 
 
 def run(args, name: str, callback_options=None) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     BEGINS.clear()
+    ENDS.clear()
     config = GRPOConfig(
         **fsdp2_options(args),
         output_dir=os.path.join("/tmp", "amem-trl-gpu", name), bf16=not SMOKE, use_cpu=SMOKE,
@@ -199,18 +321,35 @@ def run(args, name: str, callback_options=None) -> dict:
     trainer = GRPOTrainer(model=model(args), reward_funcs=reward, args=config,
                           train_dataset=dataset(), processing_class=tokenizer(),
                           callbacks=callbacks)
+    if args.hsdp:
+        sync_group()
     samples = []
-    spy_generation(trainer, samples)
+    spy_generation(trainer, samples, synced=args.hsdp)
     trainer.train()
+    mesh = mesh_layout(trainer) if args.hsdp else None  # the model is sharded in train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     out = {"loss": [h["loss"] for h in logs], "grad_norm": [h["grad_norm"] for h in logs],
            "step_seconds": timer.steps,
            "median_step_s": statistics.median(timer.steps[1:]) if len(timer.steps) > 1 else None}
+    if mesh is not None:
+        out["mesh"] = mesh
     if callback is not None:
         callback.policy.wait()
-        begins = [{"suspended": [g.name for g in r.suspended], "kept": [g.name for g in r.kept],
+        moved = ("suspended", "would suspend") if SMOKE else ("suspended",)  # noop: would
+        begins = [{"suspended": [g["name"] for g in group_rows(r) if g["action"] in moved],
+                   "kept": [g.name for g in r.kept],
                    "nccl_bytes": r.nccl_bytes, "device_freed_bytes": r.device_freed_bytes,
-                   "seconds": r.total_seconds, "skipped": r.skipped} for r in BEGINS]
+                   "device_shared_by": r.device_shared_by, "seconds": r.total_seconds,
+                   "skipped": r.skipped, "groups": group_rows(r)} for r in BEGINS]
+        ends = [{"seconds": r.total_seconds, "groups": group_rows(r)} for r in ENDS]
+        guard_resumes = [g for e in ends for g in e["groups"]
+                         if g["reason"].startswith("resumed by the guard")]
+        out.update(ends=ends, guard_resumes=guard_resumes)
+        if args.hsdp:  # the GPU's ranks together: what they suspended, what they reserved
+            out["gpu_nccl_bytes"] = same_gpu_sums([b["nccl_bytes"] for b in begins])
+            out["gpu_reserved_gain"] = same_gpu_sums(
+                [s["reserved_gain"] for s in samples] if len(samples) == len(begins)
+                else [0] * len(begins))
         out.update(begins=begins, independent=samples, kept=callback.kept,
                    backend=callback.policy.backend_description, inert=callback.policy.inert,
                    counters=callback.policy.counters.as_dict(),
@@ -227,6 +366,8 @@ def checks_for(result: dict, args) -> dict:
     base, again = result["runs"]["baseline"], result["runs"]["baseline_again"]
     checks = {"control_baseline_repeats_exactly": base["loss"] == again["loss"]
               and base["grad_norm"] == again["grad_norm"]}
+    if args.hsdp:
+        return checks | hsdp_checks(result, args)
     if args.fsdp2:
         for name in ("amem", "amem_overlap"):
             runs = result["runs"][name]
@@ -259,6 +400,53 @@ def checks_for(result: dict, args) -> dict:
     return checks
 
 
+def hsdp_checks(result: dict, args) -> dict:
+    base = result["runs"]["baseline"]
+    checks = {}
+    for name in ("amem", "amem_overlap"):
+        runs = result["runs"][name]
+        begins, kept = runs["begins"], runs["kept"]
+        checks[f"{name}_backend_active"] = not runs["inert"]
+        checks[f"{name}_one_begin_end_per_generation"] = (
+            runs["counters"]["amem/total/begins"] == runs["counters"]["amem/total/ends"]
+            == args.steps == len(begins))
+        checks[f"{name}_shard_group_kept_with_the_reason"] = any(
+            "dp_shard" in group and why.startswith(
+                "FSDP2 all-gathers parameters over mesh dim dp_shard")
+            for group, why in kept.items())
+        checks[f"{name}_world_kept_for_generate"] = "synced_gpus" in kept.get("world", "")
+        # a kept group without a communicator (never used) holds nothing to free
+        checks[f"{name}_nothing_else_kept"] = all(
+            {g["name"] for g in b["groups"] if g["action"] == "kept" and g["suspendable_bytes"]}
+            <= set(kept) | {SYNC_ROLE} for b in begins)
+        checks[f"{name}_replicate_group_suspended_every_generation"] = bool(begins) and all(
+            any("dp_replicate" in group for group in b["suspended"]) for b in begins)
+        checks[f"{name}_no_guard_resume"] = (runs["counters"]["amem/total/auto_resumes"] == 0
+                                            and not runs["guard_resumes"])
+        checks[f"{name}_losses_identical"] = runs["loss"] == base["loss"] and runs["grad_norm"] == \
+            base["grad_norm"]
+        checks[f"{name}_metrics_in_trainer_logs"] = runs["logged"] == list(range(1, args.steps + 1))
+    sync = result["runs"]["amem"]
+    totals, reserved = sync["gpu_nccl_bytes"], sync["gpu_reserved_gain"]
+    checks["amem_gpu_freed_ge_90pct_of_all_ranks_suspended"] = (
+        len(sync["independent"]) == len(totals) == args.steps and all(t > 0 for t in totals)
+        and all(s["free_gain"] + r >= 0.9 * t
+                for s, r, t in zip(sync["independent"], reserved, totals)))
+    return checks
+
+
+def versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for package in ("torch", "transformers", "accelerate", "trl", "datasets"):
+        try:
+            out[package] = version(package)
+        except PackageNotFoundError:
+            out[package] = None
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -269,7 +457,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--cpu-smoke", action="store_true")
     parser.add_argument("--fsdp2", action="store_true")
+    parser.add_argument("--hsdp", action="store_true")
+    parser.add_argument("--small-buffers", action="store_true")
     args = parser.parse_args()
+    if args.small_buffers:  # before the first communicator exists
+        os.environ.update(NCCL_BUFFSIZE=str(1 << 20), NCCL_MAX_NCHANNELS="4")
     backend = "noop" if SMOKE else "nccl"
     if not SMOKE:
         from tests.gpu.common import bind_device
@@ -277,9 +469,15 @@ def main() -> None:
         os.environ["LOCAL_RANK"] = str(bind_device())  # LOCAL_RANK % GPUs, for accelerate too
     torch.use_deterministic_algorithms(True, warn_only=True)
     record_begins()
-    result = {"torch": torch.__version__, "args": vars(args), "runs": {}}
-    plan = [("baseline", None), ("amem", {"backend": backend}),
-            ("amem_overlap", {"backend": backend, "overlap": True}), ("baseline_again", None)]
+    result = {"torch": torch.__version__, "versions": versions(), "args": vars(args),
+              "env": {k: os.environ.get(k) for k in (
+                  "NCCL_BUFFSIZE", "NCCL_MAX_NCHANNELS", "NCCL_MULTI_RANK_GPU_ENABLE",
+                  "LD_PRELOAD", "LOCAL_RANK", "WORLD_SIZE")},
+              "runs": {}}
+    extra = {"keep": [SYNC_ROLE]} if args.hsdp else {}  # the test's own gloo barriers
+    plan = [("baseline", None), ("amem", {"backend": backend, **extra}),
+            ("amem_overlap", {"backend": backend, "overlap": True, **extra}),
+            ("baseline_again", None)]
     for name, options in plan:
         started = time.monotonic()
         result["runs"][name] = run(args, name, options)

@@ -1,0 +1,451 @@
+"""Megatron-LM's own RL loop (``train_rl.py``, ``megatron.rl``, in-process
+inference through ``DynamicInferenceEngine``) on megatron-core 0.19.2, run with
+and without ``--rl-amem-offload-during-rollout``.
+
+This file wraps ``train_rl.py`` and changes nothing in its loop. Before
+handing over to it, it:
+
+- makes a tiny tokenizer in code and an agent config;
+- points rank 0's servers at 127.0.0.1;
+- maps ``LOCAL_RANK`` to the shared GPU;
+- records what the comparison needs:
+  - each iteration's loss dict and times;
+  - the free device memory at the moment the engine allocates its KV cache;
+  - what the amem controller did.
+
+Each rank writes ``PREFIX.rankN.json`` just before Megatron's shutdown hard-exits
+the process. ``--merge`` compares the runs.
+
+Test stand-ins (they live in ``tests/standins``; the results name them):
+
+- ``flash_attn``, pure PyTorch, for the engine's paged attention;
+- ``megatron_thd_spec``, for training's packed-sequence attention without
+  Transformer Engine;
+- ``wandb``, for an annotation;
+- the reward-only agent ``tests/gpu/megatron_rl_agent.py``.
+
+With amem (the launcher takes the ``--rl-amem-*`` flags and runs this file)::
+
+    torchrun --nproc-per-node 2 -m amem_callbacks.adapters.megatron \\
+        tests/gpu/megatron_rl_gpu.py --probe-out OUT/amem --mlm .gpu/megatron/mlm \\
+        --rl-amem-offload-during-rollout --rl-amem-backend nccl
+
+Without it: the same command with ``tests/gpu/megatron_rl_gpu.py`` as the script
+and no ``--rl-amem-*`` flags. Any other flag goes to ``train_rl.py`` and
+overrides the tiny defaults below. The whole set (bundle, baseline, amem,
+control run, merge) is in ``tests/gpu/megatron_rl_gpu.sh``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import functools
+import json
+import os
+import runpy
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+STANDINS = os.path.join(ROOT, "tests", "standins")
+AGENT = ("AmemCountingAgent", "tests.gpu.megatron_rl_agent:CountingAgent")
+LOOPBACK = "127.0.0.1"
+
+# A tiny GPT that Megatron builds in process (random weights), GRPO with
+# 2 prompts x 2 samples per step: one rollout per iteration.
+TINY = """
+--perform-rl-step --rl-kv-cache-management-mode recompute
+--num-layers 2 --hidden-size 128 --ffn-hidden-size 512 --num-attention-heads 4
+--seq-length 128 --max-position-embeddings 128 --inference-max-seq-length 128
+--position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear
+--micro-batch-size 1 --global-batch-size 4
+--grpo-prompts-per-step 2 --grpo-group-size 2 --grpo-iterations 1
+--train-iters 4 --eval-iters 0 --eval-interval 1000 --log-interval 1
+--lr 1e-6 --bf16 --seed 1234
+--transformer-impl local --spec megatron_thd_spec local_thd_spec
+--no-rope-fusion --no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-persist-layer-norm
+--inference-dynamic-batching-buffer-size-gb 2 --cuda-graph-impl none
+""".split()
+
+_record = {"iterations": [], "rollouts": [], "kv_cache_allocations": [], "errors": []}
+
+
+# --- set-up before Megatron is imported ----------------------------------
+def share_the_gpu() -> None:
+    """Megatron sets ``cuda:LOCAL_RANK``: fold it onto the GPUs that exist."""
+    import torch
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    os.environ["LOCAL_RANK"] = str(local % max(1, torch.cuda.device_count()))
+    _record["local_rank"], _record["device"] = local, int(os.environ["LOCAL_RANK"])
+
+
+def add_sources(mlm: str) -> None:
+    """``megatron.rl``/``megatron.inference`` and train_rl's helpers come from
+    the Megatron-LM tree, ``megatron.core``/``megatron.training`` from the
+    wheel: ``megatron`` is a namespace package in both, so the two merge."""
+    for path in (mlm, STANDINS, ROOT):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    os.environ["PYTHONPATH"] = os.pathsep.join(   # for the spawned coordinator
+        [mlm, STANDINS, ROOT, os.environ.get("PYTHONPATH", "")])
+
+
+def make_tokenizer(path: str) -> str:
+    """A one-character-per-token HF tokenizer with a chat template, no download.
+    Each rank writes its own copy (no cross-rank file race)."""
+    if os.path.exists(os.path.join(path, "tokenizer.json")):
+        return path
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>", "<pad>"]
+    vocab = {t: i for i, t in enumerate(specials + [chr(c) for c in range(32, 127)])}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>",
+                                        unk_token="<unk>", pad_token="<pad>")
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}")
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def write_env_config(path: str) -> str:
+    with open(path, "w") as f:
+        f.write(f"- agent_type: {AGENT[0]}\n  agent_args: {{}}\n  weight: 1.0\n")
+    return path
+
+
+# --- test-side patches (the loop itself is untouched) ----------------------
+def wrap(owner, name, make):
+    original = getattr(owner, name)
+    setattr(owner, name, functools.wraps(original)(make(original)))
+
+
+def keep_servers_local() -> None:
+    """Rank 0's ZMQ coordinator and HTTP front end bind ``gethostname()`` and
+    0.0.0.0, and 0.19 has no flag for either: pass 127.0.0.1 where it takes one."""
+    from megatron.core.inference.engines import dynamic_engine
+    from megatron.core.inference.text_generation_server import dynamic_text_gen_server as server
+    from megatron.rl.inference.megatron import MegatronLocal
+
+    def listening(original):
+        async def call(self, *args, hostname=None, **kwargs):
+            return await original(self, *args, hostname=hostname or LOOPBACK, **kwargs)
+        return call
+
+    def serving(original):
+        def call(*args, hostname=None, **kwargs):
+            return original(*args, hostname=hostname or LOOPBACK, **kwargs)
+        return call
+
+    wrap(dynamic_engine.DynamicInferenceEngine, "start_listening_to_data_parallel_coordinator",
+         listening)
+    wrap(server, "start_text_gen_server", serving)  # launch() imports it at call time
+    launch = MegatronLocal.__dict__["launch"].__func__
+
+    async def launch_local(cls, model, **kwargs):
+        return await launch(cls, model, **{**kwargs, "host": LOOPBACK})
+    MegatronLocal.launch = classmethod(functools.wraps(launch)(launch_local))
+
+
+def register_agent() -> None:
+    from megatron.rl.agent import registry
+
+    registry.AGENT_REGISTRY[AGENT[0]] = AGENT[1]
+
+
+def install_probes(prefix: str) -> None:
+    import torch
+    from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
+    from megatron.rl import rl_utils
+    from megatron.training import training
+
+    def iteration() -> int:
+        from megatron.training.global_vars import get_args
+        return getattr(get_args(), "curr_iteration", -1)
+
+    def kv_alloc(original):
+        def call(self, *args, **kwargs):
+            if not self.is_tensor_state_allocated:
+                torch.cuda.synchronize()
+                free, total = torch.cuda.mem_get_info()
+                _record["kv_cache_allocations"].append(
+                    {"iteration": iteration(), "free_bytes": free, "total_bytes": total,
+                     "torch_reserved_bytes": torch.cuda.memory_reserved(),
+                     "rollout_active": _amem_active()})
+            return original(self, *args, **kwargs)
+        return call
+
+    def rollout(original):
+        def call(*args, **kwargs):
+            start = time.monotonic()
+            result = original(*args, **kwargs)
+            _record["rollouts"].append({"iteration": iteration(), "start": start,
+                                        "seconds": time.monotonic() - start})
+            return result
+        return call
+
+    def train_step(original):
+        def call(*args, **kwargs):
+            start = time.monotonic()
+            result = original(*args, **kwargs)
+            _record.setdefault("train_step_seconds", []).append(time.monotonic() - start)
+            return result
+        return call
+
+    def training_log(original):
+        def call(loss_dict, total_loss_dict, learning_rate, iteration_, *args, **kwargs):
+            _record["iterations"].append({
+                "iteration": iteration_, "time": time.monotonic(),
+                "loss": {k: _number(v) for k, v in loss_dict.items()},
+                "grad_norm": _number(args[5] if len(args) > 5 else kwargs.get("grad_norm"))})
+            return original(loss_dict, total_loss_dict, learning_rate, iteration_, *args, **kwargs)
+        return call
+
+    def shutdown(original):
+        def call(*args, **kwargs):
+            write_record(prefix)   # the original ends with os._exit(0)
+            return original(*args, **kwargs)
+        return call
+
+    wrap(DynamicInferenceContext, "initialize_all_tensors", kv_alloc)
+    wrap(rl_utils, "get_grpo_data_iterator", rollout)
+    wrap(training, "train_step", train_step)
+    wrap(training, "training_log", training_log)
+    wrap(rl_utils, "rl_inference_interface_shutdown", shutdown)
+    atexit.register(write_record, prefix)  # a crash still leaves what was measured
+
+
+def _nccl_version() -> str:
+    """The loaded library's version (a preloaded NCCL differs from torch's pin)."""
+    from amem_callbacks.nccl_library import NcclLibrary
+
+    library = NcclLibrary.loaded()
+    return library.version_str if library is not None else "none"
+
+
+def _megatron_version() -> str:
+    import megatron.core
+
+    return megatron.core.__version__
+
+
+def _number(value):
+    if value is None:
+        return None
+    if hasattr(value, "item"):
+        value = value.item() if value.numel() == 1 else value.float().mean().item()
+    if isinstance(value, (list, tuple)):
+        return [_number(v) for v in value]
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def _controller():
+    module = sys.modules.get("amem_callbacks.adapters.megatron.hooks")
+    return module.current_controller() if module is not None else None
+
+
+def _amem_active() -> bool:
+    controller = _controller()
+    return bool(controller is not None and controller.active)
+
+
+def amem_summary() -> dict:
+    controller = _controller()
+    if controller is None:
+        return {"installed": False}
+    transitions = []
+    for via, report in controller.reports:
+        transitions.append({
+            "via": via, "kind": str(report.kind), "backend": report.backend,
+            "skipped": report.skipped, "summary": report.summary(),
+            "suspended": [g.name for g in report.suspended],
+            "resumed": [g.name for g in report.groups if str(g.action) == "resumed"],
+            "kept": {g.name: g.reason for g in report.kept},
+            "nccl_bytes": report.nccl_bytes, "gpu_wide_freed_bytes": report.device_freed_bytes,
+            "ranks_on_this_gpu": report.device_shared_by, "seconds": report.total_seconds,
+            "groups": [{"name": g.name, "size": g.size, "action": str(g.action),
+                        "bytes": g.suspendable_bytes, "stays_bytes": g.stays_bytes,
+                        "path": g.path, "transport": g.transport} for g in report.groups]})
+    return {"installed": True, "plan": controller.plan.describe() if controller.plan else None,
+            "transitions": transitions, "metrics": controller.session.metrics()}
+
+
+def write_record(prefix: str) -> None:
+    if _record.get("written"):
+        return
+    _record["written"] = True
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    for key, read in (("amem", amem_summary), ("torch", lambda: torch.__version__),
+                      ("nccl", _nccl_version), ("megatron_core", _megatron_version)):
+        try:
+            _record[key] = read()
+        except Exception as exc:  # the record must still be written
+            _record["errors"].append(f"{key}: {exc!r}")
+    _record.update(
+        rank=rank,
+        standins=["flash_attn (pure PyTorch paged attention)",
+                  "megatron_thd_spec (SDPA core attention for packed sequences)",
+                  "wandb (annotation only)", "reward-only agent tests/gpu/megatron_rl_agent.py",
+                  "127.0.0.1 for rank 0's servers"])
+    with open(f"{prefix}.rank{rank}.json", "w") as f:
+        json.dump(_record, f, indent=1, default=str)
+
+
+# --- comparing the runs ---------------------------------------------------
+def load_run(prefix: str) -> dict:
+    ranks = {}
+    folder = os.path.dirname(prefix) or "."
+    for name in sorted(os.listdir(folder)):
+        if name.startswith(os.path.basename(prefix) + ".rank") and name.endswith(".json"):
+            with open(os.path.join(folder, name)) as f:
+                data = json.load(f)
+            ranks[data["rank"]] = data
+    return ranks
+
+
+def _losses(run: dict) -> list:
+    last = max(run)  # Megatron reduces the loss dict to the last rank
+    return [(it["iteration"], it["loss"]) for it in run[last]["iterations"]]
+
+
+def _max_abs_diff(losses: list, reference: list) -> dict:
+    """Per loss key, the largest difference at the same iteration."""
+    out = {}
+    for (_, mine), (_, theirs) in zip(losses, reference):
+        for key in set(mine) & set(theirs):
+            if isinstance(mine[key], float) and isinstance(theirs[key], float):
+                out[key] = max(out.get(key, 0.0), abs(mine[key] - theirs[key]))
+    return out
+
+
+def _step_seconds(run: dict) -> float:
+    times = [it["time"] for it in run[0]["iterations"]]
+    steps = [b - a for a, b in zip(times, times[1:])]  # iteration 2..N, rollout included
+    return statistics.median(steps) if steps else float("nan")
+
+
+def _free_at_kv(run: dict, rank: int) -> dict:
+    """Free bytes at each KV-cache allocation after the first (the first comes at
+    the engine's launch, before any rollout began), by iteration."""
+    return {a["iteration"]: a["free_bytes"]
+            for a in run[rank]["kv_cache_allocations"][1:]}
+
+
+def merge(baseline: str, amem: str, control: str, out: str) -> dict:
+    runs = {"baseline": load_run(baseline), "amem": load_run(amem)}
+    if control:  # '' when no control run was made
+        runs["control"] = load_run(control)
+    summary = {"runs": {k: sorted(v) for k, v in runs.items()}, "checks": {}}
+    checks = summary["checks"]
+    world = len(runs["baseline"])
+    checks["every rank of every run wrote its record (no hang, no crash)"] = all(
+        len(r) == world and all(not d["errors"] for d in r.values()) for r in runs.values())
+    begins = [t for t in runs["amem"][0]["amem"].get("transitions", []) if t["kind"] == "begin"]
+    summary["amem_begins_rank0"] = begins
+    suspended_bytes = {rank: [t["nccl_bytes"] for t in data["amem"].get("transitions", [])
+                              if t["kind"] == "begin"]
+                       for rank, data in runs["amem"].items()}
+    summary["suspended_nccl_bytes_per_begin"] = suspended_bytes
+    checks["groups were suspended at every rollout"] = bool(begins) and all(
+        t["suspended"] for t in begins) and len(begins) == len(runs["amem"][0]["rollouts"])
+    gpu_bytes = sum(b[-1] for b in suspended_bytes.values() if b)  # ranks share the GPU
+    summary["free_at_kv_cache"] = {}
+    gains = []
+    for rank in sorted(runs["amem"]):
+        base, with_amem = _free_at_kv(runs["baseline"], rank), _free_at_kv(runs["amem"], rank)
+        row = {it: {"baseline": base.get(it), "amem": v,
+                    "gain": None if base.get(it) is None else v - base[it]}
+               for it, v in with_amem.items()}
+        summary["free_at_kv_cache"][rank] = row
+        gains += [r["gain"] for r in row.values() if r["gain"] is not None]
+    summary["gpu_suspended_nccl_bytes"] = gpu_bytes
+    summary["median_free_gain_bytes"] = statistics.median(gains) if gains else None
+    checks["free memory at KV-cache allocation rose by >= 90% of the GPU's suspended bytes"] = (
+        bool(gains) and gpu_bytes > 0 and statistics.median(gains) >= 0.9 * gpu_bytes)
+    totals = {rank: {k: v for k, v in data["amem"].get("metrics", {}).items()
+                     if k.startswith("amem/total/")}
+              for rank, data in runs["amem"].items()}
+    summary["amem_totals"] = totals
+    checks["no collective reached a suspended group (guard resumes 0)"] = all(
+        t.get("amem/total/auto_resumes") == 0 for t in totals.values())
+    base_losses = _losses(runs["baseline"])
+    summary["losses"] = {name: _losses(run) for name, run in runs.items()}
+    identical = _losses(runs["amem"]) == base_losses
+    if control and _losses(runs["control"]) != base_losses:
+        # The loop itself is not deterministic run to run (two engines take the
+        # coordinator's requests in arrival order and sample): two samples give
+        # no tolerance worth a verdict, so the spreads are reported side by side.
+        summary["losses_not_judged"] = ("the control run (baseline again) differs from the "
+                                        "baseline: the loop is not deterministic run to run")
+        summary["loss_max_abs_diff_vs_baseline"] = {
+            name: _max_abs_diff(_losses(runs[name]), base_losses) for name in ("amem", "control")}
+    else:
+        checks["losses identical to the baseline"] = identical
+    summary["step_seconds_median"] = {name: _step_seconds(run) for name, run in runs.items()}
+    summary["step_time_ratio_amem_over_baseline"] = (
+        summary["step_seconds_median"]["amem"] / summary["step_seconds_median"]["baseline"])
+    summary["rollout_seconds"] = {name: [r["seconds"] for r in run[0]["rollouts"]]
+                                  for name, run in runs.items()}
+    summary["versions"] = {k: runs["amem"][0].get(k) for k in ("torch", "nccl", "megatron_core")}
+    summary["standins"] = runs["amem"][0].get("standins")
+    summary["ok"] = all(checks.values())
+    with open(out, "w") as f:
+        json.dump(summary, f, indent=1, default=str)
+    return summary
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--probe-out", help="prefix of the per-rank JSON records")
+    parser.add_argument("--mlm", help="Megatron-LM tree with train_rl.py and megatron/rl")
+    parser.add_argument("--work", default="/tmp/amem_megatron_rl", help="tokenizer and config")
+    parser.add_argument("--merge", nargs=3, metavar=("BASELINE", "AMEM", "CONTROL"),
+                        help="compare three runs' prefixes (CONTROL may be '')")
+    parser.add_argument("--summary", help="with --merge: where to write the comparison")
+    ours, rest = parser.parse_known_args(argv)
+    if ours.merge:
+        summary = merge(*ours.merge, ours.summary)
+        print(json.dumps({k: summary[k] for k in ("checks", "ok", "step_seconds_median")},
+                         indent=1))
+        return
+    if not (ours.probe_out and ours.mlm):
+        parser.error("give --probe-out PREFIX and --mlm DIR (or --merge)")
+    share_the_gpu()
+    add_sources(os.path.abspath(ours.mlm))
+    rank = os.environ.get("RANK", "0")
+    os.makedirs(ours.work, exist_ok=True)
+    tokenizer = make_tokenizer(os.path.join(ours.work, f"tokenizer-rank{rank}"))
+    env_config = write_env_config(os.path.join(ours.work, f"env-rank{rank}.yaml"))
+    # Megatron's training module first: it imports megatron.rl inside a try and
+    # reads a failure as "no RL package"; importing megatron.rl first makes
+    # that import circular (measured: "RL cannot run without the megatron.rl package").
+    from megatron.training import training
+
+    if not training.has_rl_utils:
+        import megatron.rl.rl_utils  # noqa: F401  (raises the error Megatron swallowed)
+
+    keep_servers_local()
+    register_agent()
+    install_probes(os.path.abspath(ours.probe_out))
+    script = os.path.join(os.path.abspath(ours.mlm), "train_rl.py")
+    sys.argv = [script, *TINY, "--tokenizer-type", "HuggingFaceTokenizer",
+                "--tokenizer-model", tokenizer, "--langrl-env-config", env_config, *rest]
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Megatron-LM's RL loop on the GPU machine: baseline, with amem, baseline again
+# (the control says whether the loop is deterministic run to run), then the comparison.
+#
+#   bash tests/gpu/bundle_megatron.sh          # here, once: fills .gpu/megatron
+#   # there (carry .gpu/megatron and an NCCL >= 2.30; LD_PRELOAD set to it):
+#   bash tests/gpu/megatron_rl_gpu.sh OUTDIR [RANKS] [extra train_rl.py flags...]
+#
+# Several ranks on one GPU need NCCL_MULTI_RANK_GPU_ENABLE=1 (set here).
+set -uo pipefail
+OUT=${1:?OUTDIR}; RANKS=${2:-2}; shift $(( $# >= 2 ? 2 : 1 ))
+cd "$(dirname "$0")/../.."
+mkdir -p "$OUT"
+SITE=/tmp/site-megatron
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$SITE" .gpu/megatron/wheels/*.whl || exit 1
+# train_rl.py runs `make` in the dataset folder: give it the checkout's Makefile, and a
+# compiled helper newer than its source, so there is nothing to rebuild.
+cp .gpu/megatron/datasets.Makefile $SITE/megatron/core/datasets/Makefile &&
+    touch $SITE/megatron/core/datasets/helpers_cpp*.so || exit 1
+export MAKEFLAGS="LIBEXT=$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
+export PYTHONPATH=$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH} NCCL_MULTI_RANK_GPU_ENABLE=1 \
+    PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1
+[ -e amem_callbacks/adapters ] || ln -sfn ../adapters amem_callbacks/adapters
+MLM=.gpu/megatron/mlm
+WRAPPER=tests/gpu/megatron_rl_gpu.py
+
+run() {  # NAME ARGS...: one torchrun, bounded; whatever rank 0's servers leave is killed
+    local name=$1; shift
+    local start=$SECONDS
+    setsid timeout -k 10 "${RUN_TIMEOUT:-200}" python3 -m torch.distributed.run \
+        --nproc-per-node "$RANKS" --master-port 29533 "$@" >"$OUT/$name.log" 2>&1 &
+    local pid=$!
+    wait $pid; local rc=$?
+    kill -9 -- -$pid 2>/dev/null; pkill -9 -f spawn_main 2>/dev/null; sleep 2
+    echo "$name: rc=$rc in $((SECONDS - start)) s"
+}
+
+[ -n "${SKIP_BASELINE:-}" ] || run baseline $WRAPPER --probe-out "$OUT/baseline" --mlm $MLM "$@"
+run amem -m amem_callbacks.adapters.megatron $WRAPPER --probe-out "$OUT/amem" --mlm $MLM \
+    --rl-amem-offload-during-rollout --rl-amem-backend nccl "$@"
+CONTROL=$OUT/control
+if [ -n "${NO_CONTROL:-}" ]; then CONTROL=""; else
+    run control $WRAPPER --probe-out "$CONTROL" --mlm $MLM "$@"; fi
+[ -n "${SKIP_BASELINE:-}" ] || python3 $WRAPPER --merge "$OUT/baseline" "$OUT/amem" "$CONTROL" \
+    --summary "$OUT/summary.json"

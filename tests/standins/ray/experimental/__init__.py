@@ -1,0 +1,1 @@
+"""Test stand-in (tests/standins/ray): see ray/__init__.py."""
