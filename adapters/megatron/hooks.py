@@ -6,8 +6,9 @@ Two seams; both are wrapped and the controller acts on whichever comes first
 * ``DynamicInferenceEngine.resume`` / ``.suspend`` (megatron-core): resume
   re-allocates the KV cache and suspend frees it. Megatron-LM's RL loop drives
   them from 0.17 on (its interface sends SUSPEND/RESUME to the engines). The
-  wrapper acts only when the call really changes the engine's state: in the
-  coordinator loop ``resume()`` is called every 20 ms and returns at once.
+  wrapper acts only when the call really changes the engine's state (0.16's
+  coordinator loop called ``resume()`` every 20 ms; 0.19 calls it once per
+  RESUME signal).
 * ``megatron.rl.inference.megatron.MegatronLocal.resume`` / ``.suspend``
   (Megatron-LM's RL inference interface, called once per rollout on every
   rank after the warm-up collectives). At core_v0.16.1 it only pauses and
@@ -17,6 +18,11 @@ Two seams; both are wrapped and the controller acts on whichever comes first
 
 Begin runs before the wrapped resume, so the KV cache it allocates can use the
 freed memory; end runs after the wrapped suspend, once the KV cache is gone.
+On megatron-core 0.19.2 with Megatron-LM's ``train_rl.py`` (measured on GPU,
+``results/one_h200/k_megatron_rl_0192``) each rollout begins at
+``MegatronLocal.resume`` and ends at the engine's ``suspend``; the engine
+allocates its KV cache at launch, before the first begin, so the freed memory
+serves it from the second rollout on.
 The modules are patched when they are first imported, so installing the hooks
 imports neither torch nor Megatron.
 """

@@ -424,6 +424,8 @@ def main(argv=None) -> None:
         return
     if not (ours.probe_out and ours.mlm):
         parser.error("give --probe-out PREFIX and --mlm DIR (or --merge)")
+    _record["command"] = {"wrapper_argv": list(sys.argv),
+                          "amem_launcher": "amem_callbacks.adapters.megatron.hooks" in sys.modules}
     share_the_gpu()
     add_sources(os.path.abspath(ours.mlm))
     rank = os.environ.get("RANK", "0")
@@ -444,6 +446,7 @@ def main(argv=None) -> None:
     script = os.path.join(os.path.abspath(ours.mlm), "train_rl.py")
     sys.argv = [script, *TINY, "--tokenizer-type", "HuggingFaceTokenizer",
                 "--tokenizer-model", tokenizer, "--langrl-env-config", env_config, *rest]
+    _record["command"]["train_rl_argv"] = list(sys.argv)
     runpy.run_path(script, run_name="__main__")
 
 
