@@ -8,8 +8,11 @@ Engine is not on the GPU machine. Causal SDPA per ``cu_seqlens`` segment; no
 dropout, no attention sinks. Needs ``--micro-batch-size 1`` (query ``[t, heads, dim]``).
 """
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
@@ -30,12 +33,19 @@ class ThdDotProductAttention(DotProductAttention):
             bounds = packed_seq_params.cu_seqlens_q
         bounds = bounds.tolist()
         out = torch.zeros_like(query)
+        # --deterministic-mode: the math kernel's backward is deterministic
+        kernel = (sdpa_kernel(SDPBackend.MATH) if torch.are_deterministic_algorithms_enabled()
+                  else contextlib.nullcontext())
+        with kernel:
+            self._attend(query, key, value, bounds, out)
+        return out.reshape(out.size(0), -1)  # [t, heads*dim]; the caller reshapes
+
+    def _attend(self, query, key, value, bounds, out):
         for start, stop in zip(bounds[:-1], bounds[1:]):
             if stop > start:
                 q, k, v = (x[start:stop].transpose(0, 1) for x in (query, key, value))
                 out[start:stop] = F.scaled_dot_product_attention(
                     q, k, v, is_causal=True, scale=self.softmax_scale).transpose(0, 1)
-        return out.reshape(out.size(0), -1)  # [t, heads*dim]; the caller reshapes
 
 
 local_thd_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
