@@ -6,8 +6,11 @@ Runs each suite with N ranks (default: one per GPU, at least 2; more ranks
 than GPUs share them: NCCL >= 2.30, NCCL_MULTI_RANK_GPU_ENABLE=1 is set here),
 writes one JSON per suite under --out and a summary.json with, per suite, the
 exact command, exit code, seconds and verdict, plus torch, the loaded NCCL and
-the GPUs. A suite whose framework is not installed (megatron-core, trl) is
-reported as skipped, with why. Preload a suspend-capable NCCL first, e.g.
+the GPUs. A suite whose framework is not installed (megatron-core, trl, verl),
+or whose carried bundle is missing (``.gpu/megatron``: tests/gpu/bundle_megatron.sh),
+is reported as skipped, with why. The real-loop suites (``megatron_rl``,
+``verl_worker``, ``trl_fsdp2``, ``trl_hsdp``) each run baseline, amem and a
+control and compare them. Preload a suspend-capable NCCL first, e.g.
 ``LD_PRELOAD=/tmp/nccl/libnccl.so.2`` (../shared/tools/device-nccl).
 
 ``--small-buffers`` sets NCCL_BUFFSIZE=1 MiB and NCCL_MAX_NCHANNELS=4 for the
@@ -55,7 +58,27 @@ def suites(ranks: int, out: str, cycles: int) -> dict:
         "megatron": (torchrun + ["tests/gpu/megatron_gpu.py", j("megatron")], "megatron.core",
                      j("megatron")),
         "trl": (torchrun + ["tests/gpu/trl_gpu.py", j("trl")], "trl", j("trl")),
+        "trl_fsdp2": (torchrun + ["tests/gpu/trl_gpu.py", j("trl_fsdp2"), "--fsdp2"], "trl",
+                      j("trl_fsdp2")),
+        "trl_hsdp": ([py, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+                      "tests/gpu/trl_gpu.py", j("trl_hsdp"), "--hsdp"], "trl", j("trl_hsdp")),
+        "verl_worker": (["bash", "tests/gpu/verl_gpu.sh", os.path.join(out, "verl_worker")],
+                        "verl", os.path.join(out, "verl_worker", "summary.json")),
+        "megatron_rl": (["bash", "tests/gpu/megatron_rl_gpu.sh", os.path.join(out, "megatron_rl"),
+                         str(ranks)], ".gpu/megatron",
+                        os.path.join(out, "megatron_rl", "summary.json")),
     }
+
+
+def _missing(needs) -> object:
+    """Why a suite cannot run here, or None: a module not installed, a bundle not carried."""
+    if not needs:
+        return None
+    if needs.startswith("."):
+        return None if os.path.isdir(os.path.join(ROOT, needs)) else \
+            f"{needs} is not here (make it with tests/gpu/bundle_*.sh and carry it)"
+    return None if importlib.util.find_spec(needs.split(".")[0]) else \
+        f"{needs} is not installed here"
 
 
 def _verdict(path) -> object:
@@ -110,8 +133,9 @@ def main(argv=None) -> int:
     for name in chosen:
         command, needs, result = table[name]
         row = {"command": " ".join(command)}
-        if needs and importlib.util.find_spec(needs.split(".")[0]) is None:
-            row.update(ok=None, skipped=f"{needs} is not installed here")
+        why_not = _missing(needs)
+        if why_not:
+            row.update(ok=None, skipped=why_not)
         else:
             start = time.monotonic()
             try:
