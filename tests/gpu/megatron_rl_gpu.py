@@ -40,13 +40,14 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import functools
 import json
 import os
 import runpy
 import statistics
 import sys
 import time
+
+from amem_callbacks.patching import Patches, wrapper
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -70,6 +71,7 @@ TINY = """
 --inference-dynamic-batching-buffer-size-gb 2 --cuda-graph-impl none
 """.split()
 
+_patches = Patches()  # test-side wrappers around Megatron (the loop itself is untouched)
 _record = {"iterations": [], "rollouts": [], "kv_cache_allocations": [], "errors": []}
 
 
@@ -123,9 +125,8 @@ def write_env_config(path: str) -> str:
 
 
 # --- test-side patches (the loop itself is untouched) ----------------------
-def wrap(owner, name, make):
-    original = getattr(owner, name)
-    setattr(owner, name, functools.wraps(original)(make(original)))
+def with_loopback(original, *args, hostname=None, **kwargs):
+    return original(*args, hostname=hostname or LOOPBACK, **kwargs)
 
 
 def keep_servers_local() -> None:
@@ -135,24 +136,13 @@ def keep_servers_local() -> None:
     from megatron.core.inference.text_generation_server import dynamic_text_gen_server as server
     from megatron.rl.inference.megatron import MegatronLocal
 
-    def listening(original):
-        async def call(self, *args, hostname=None, **kwargs):
-            return await original(self, *args, hostname=hostname or LOOPBACK, **kwargs)
-        return call
-
-    def serving(original):
-        def call(*args, hostname=None, **kwargs):
-            return original(*args, hostname=hostname or LOOPBACK, **kwargs)
-        return call
-
-    wrap(dynamic_engine.DynamicInferenceEngine, "start_listening_to_data_parallel_coordinator",
-         listening)
-    wrap(server, "start_text_gen_server", serving)  # launch() imports it at call time
-    launch = MegatronLocal.__dict__["launch"].__func__
-
-    async def launch_local(cls, model, **kwargs):
-        return await launch(cls, model, **{**kwargs, "host": LOOPBACK})
-    MegatronLocal.launch = classmethod(functools.wraps(launch)(launch_local))
+    _patches.wrap(dynamic_engine.DynamicInferenceEngine,
+                  "start_listening_to_data_parallel_coordinator", with_loopback, required=True)
+    # launch() imports it at call time, so the module attribute is what it gets
+    _patches.wrap(server, "start_text_gen_server", with_loopback, required=True)
+    _patches.wrap(MegatronLocal, "launch", required=True, replace=lambda original: classmethod(
+        wrapper(original.__func__, lambda launch, cls, model, **kwargs:
+                launch(cls, model, **{**kwargs, "host": LOOPBACK}))))
 
 
 def register_agent() -> None:
@@ -171,55 +161,44 @@ def install_probes(prefix: str) -> None:
         from megatron.training.global_vars import get_args
         return getattr(get_args(), "curr_iteration", -1)
 
-    def kv_alloc(original):
-        def call(self, *args, **kwargs):
-            if not self.is_tensor_state_allocated:
-                torch.cuda.synchronize()
-                free, total = torch.cuda.mem_get_info()
-                _record["kv_cache_allocations"].append(
-                    {"iteration": iteration(), "free_bytes": free, "total_bytes": total,
-                     "torch_reserved_bytes": torch.cuda.memory_reserved(),
-                     "rollout_active": _amem_active()})
-            return original(self, *args, **kwargs)
-        return call
+    def kv_alloc(context, *args, **kwargs):
+        if not context.is_tensor_state_allocated:
+            torch.cuda.synchronize()
+            free, total = torch.cuda.mem_get_info()
+            _record["kv_cache_allocations"].append(
+                {"iteration": iteration(), "free_bytes": free, "total_bytes": total,
+                 "torch_reserved_bytes": torch.cuda.memory_reserved(),
+                 "rollout_active": _amem_active()})
 
-    def rollout(original):
-        def call(*args, **kwargs):
-            start = time.monotonic()
-            result = original(*args, **kwargs)
-            _record["rollouts"].append({"iteration": iteration(), "start": start,
-                                        "seconds": time.monotonic() - start})
-            return result
-        return call
+    def timed(original, *args, **kwargs):
+        start = time.monotonic()
+        result = original(*args, **kwargs)
+        return result, start, time.monotonic() - start
 
-    def train_step(original):
-        def call(*args, **kwargs):
-            start = time.monotonic()
-            result = original(*args, **kwargs)
-            _record.setdefault("train_step_seconds", []).append(time.monotonic() - start)
-            return result
-        return call
+    def rollout(original, *args, **kwargs):
+        result, start, seconds = timed(original, *args, **kwargs)
+        _record["rollouts"].append({"iteration": iteration(), "start": start, "seconds": seconds})
+        return result
 
-    def training_log(original):
-        def call(loss_dict, total_loss_dict, learning_rate, iteration_, *args, **kwargs):
-            _record["iterations"].append({
-                "iteration": iteration_, "time": time.monotonic(),
-                "loss": {k: _number(v) for k, v in loss_dict.items()},
-                "grad_norm": _number(args[5] if len(args) > 5 else kwargs.get("grad_norm"))})
-            return original(loss_dict, total_loss_dict, learning_rate, iteration_, *args, **kwargs)
-        return call
+    def train_step(original, *args, **kwargs):
+        result, _, seconds = timed(original, *args, **kwargs)
+        _record.setdefault("train_step_seconds", []).append(seconds)
+        return result
 
-    def shutdown(original):
-        def call(*args, **kwargs):
-            write_record(prefix)   # the original ends with os._exit(0)
-            return original(*args, **kwargs)
-        return call
+    def training_log(loss_dict, total_loss_dict, learning_rate, iteration_, *args, **kwargs):
+        _record["iterations"].append({
+            "iteration": iteration_, "time": time.monotonic(),
+            "loss": {k: _number(v) for k, v in loss_dict.items()},
+            "grad_norm": _number(args[5] if len(args) > 5 else kwargs.get("grad_norm"))})
 
-    wrap(DynamicInferenceContext, "initialize_all_tensors", kv_alloc)
-    wrap(rl_utils, "get_grpo_data_iterator", rollout)
-    wrap(training, "train_step", train_step)
-    wrap(training, "training_log", training_log)
-    wrap(rl_utils, "rl_inference_interface_shutdown", shutdown)
+    _patches.wrap(DynamicInferenceContext, "initialize_all_tensors", before=kv_alloc,
+                  required=True)
+    _patches.wrap(rl_utils, "get_grpo_data_iterator", rollout, required=True)
+    _patches.wrap(training, "train_step", train_step, required=True)
+    _patches.wrap(training, "training_log", before=training_log, required=True)
+    # the original ends with os._exit(0): write first
+    _patches.wrap(rl_utils, "rl_inference_interface_shutdown",
+                  before=lambda *args, **kwargs: write_record(prefix), required=True)
     atexit.register(write_record, prefix)  # a crash still leaves what was measured
 
 
