@@ -189,7 +189,9 @@ def install_probes(prefix: str) -> None:
         _record["iterations"].append({
             "iteration": iteration_, "time": time.monotonic(),
             "loss": {k: _number(v) for k, v in loss_dict.items()},
-            "grad_norm": _number(args[5] if len(args) > 5 else kwargs.get("grad_norm"))})
+            # training_log(loss_dict, total, lr, iteration, loss_scale, report_memory_flag,
+            #              skipped_iter, grad_norm, ...)
+            "grad_norm": _number(args[3] if len(args) > 3 else kwargs.get("grad_norm"))})
 
     _patches.wrap(DynamicInferenceContext, "initialize_all_tensors", before=kv_alloc,
                   required=True)
