@@ -7,6 +7,9 @@
 #   bash tests/gpu/megatron_rl_gpu.sh OUTDIR [RANKS] [extra train_rl.py flags...]
 #
 # Several ranks on one GPU need NCCL_MULTI_RANK_GPU_ENABLE=1 (set here).
+# RUNS picks runs (default "baseline amem control"; NO_CONTROL=1 drops the control,
+# SKIP_BASELINE=1 the baseline); the merge runs when OUT has a baseline and an amem run,
+# so a run made in a later call can join earlier ones copied into OUT.
 set -uo pipefail
 OUT=${1:?OUTDIR}; RANKS=${2:-2}; shift $(( $# >= 2 ? 2 : 1 ))
 cd "$(dirname "$0")/../.."
@@ -36,11 +39,18 @@ run() {  # NAME ARGS...: one torchrun, bounded; whatever rank 0's servers leave 
     echo "$name: rc=$rc in $((SECONDS - start)) s"
 }
 
-[ -n "${SKIP_BASELINE:-}" ] || run baseline $WRAPPER --probe-out "$OUT/baseline" --mlm $MLM "$@"
-run amem -m amem_callbacks.adapters.megatron $WRAPPER --probe-out "$OUT/amem" --mlm $MLM \
-    --rl-amem-offload-during-rollout --rl-amem-backend nccl "$@"
-CONTROL=$OUT/control
-if [ -n "${NO_CONTROL:-}" ]; then CONTROL=""; else
-    run control $WRAPPER --probe-out "$CONTROL" --mlm $MLM "$@"; fi
-[ -n "${SKIP_BASELINE:-}" ] || python3 $WRAPPER --merge "$OUT/baseline" "$OUT/amem" "$CONTROL" \
-    --summary "$OUT/summary.json"
+default="baseline amem control"
+[ -z "${NO_CONTROL:-}" ] || default=${default% control}
+[ -z "${SKIP_BASELINE:-}" ] || default=${default#baseline }
+for name in ${RUNS:-$default}; do
+    case $name in
+    baseline|control) run $name $WRAPPER --probe-out "$OUT/$name" --mlm $MLM "$@" ;;
+    amem) run amem -m amem_callbacks.adapters.megatron $WRAPPER --probe-out "$OUT/amem" \
+              --mlm $MLM --rl-amem-offload-during-rollout --rl-amem-backend nccl "$@" ;;
+    *) echo "RUNS: unknown run '$name' (write baseline, amem or control)"; exit 2 ;;
+    esac
+done
+CONTROL=""; [ ! -e "$OUT/control.rank0.json" ] || CONTROL=$OUT/control
+if [ -e "$OUT/baseline.rank0.json" ] && [ -e "$OUT/amem.rank0.json" ]; then
+    python3 $WRAPPER --merge "$OUT/baseline" "$OUT/amem" "$CONTROL" --summary "$OUT/summary.json"
+fi

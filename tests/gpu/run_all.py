@@ -31,6 +31,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SMALL_BUFFERS = {"NCCL_BUFFSIZE": str(1 << 20), "NCCL_MAX_NCHANNELS": "4"}
+# The FSDP2/HSDP loops at the size of their committed results (results/one_h200/j_, m_, p_):
+# trl_gpu.py's default model with 384-token completions takes minutes per run on a shared GPU.
+TRL_LOOP_SIZE = ["--steps", "3", "--hidden", "256", "--layers", "2", "--completion-length", "64",
+                 "--batch", "4"]
 
 
 def suites(ranks: int, out: str, cycles: int) -> dict:
@@ -58,10 +62,11 @@ def suites(ranks: int, out: str, cycles: int) -> dict:
         "megatron": (torchrun + ["tests/gpu/megatron_gpu.py", j("megatron")], "megatron.core",
                      j("megatron")),
         "trl": (torchrun + ["tests/gpu/trl_gpu.py", j("trl")], "trl", j("trl")),
-        "trl_fsdp2": (torchrun + ["tests/gpu/trl_gpu.py", j("trl_fsdp2"), "--fsdp2"], "trl",
-                      j("trl_fsdp2")),
+        "trl_fsdp2": (torchrun + ["tests/gpu/trl_gpu.py", j("trl_fsdp2"), "--fsdp2",
+                                  *TRL_LOOP_SIZE], "trl", j("trl_fsdp2")),
         "trl_hsdp": ([py, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-                      "tests/gpu/trl_gpu.py", j("trl_hsdp"), "--hsdp"], "trl", j("trl_hsdp")),
+                      "tests/gpu/trl_gpu.py", j("trl_hsdp"), "--hsdp", *TRL_LOOP_SIZE], "trl",
+                     j("trl_hsdp")),
         "verl_worker": (["bash", "tests/gpu/verl_gpu.sh", os.path.join(out, "verl_worker")],
                         "verl", os.path.join(out, "verl_worker", "summary.json")),
         "megatron_rl": (["bash", "tests/gpu/megatron_rl_gpu.sh", os.path.join(out, "megatron_rl"),

@@ -340,7 +340,7 @@ def make_config(args, path: str):
         ar.rollout.n = 1
         ar.rollout.log_prob_micro_batch_size_per_gpu = args.micro_batch
         ar.rollout.log_prob_use_dynamic_bsz = False
-        ar.rollout.tensor_model_parallel_size = 1
+        ar.rollout.tensor_model_parallel_size = args.rollout_tp  # verl builds its infer_tp mesh
         ar.rollout.checkpoint_engine.backend = "naive"  # colocated: the adapter's case
         ar.rollout.free_cache_engine = True
         ar.ref.fsdp_config.strategy = "fsdp2"
@@ -666,6 +666,9 @@ def parse(argv=None):
     parser.add_argument("--remove-padding", action="store_true")
     parser.add_argument("--attention", choices=("math", "default"), default="math",
                         help="SDPA kernels: math (deterministic, the default) or torch's choice")
+    parser.add_argument("--rollout-tp", type=int, default=1,
+                        help="rollout tensor parallel size (verl's rollout mesh; the fake rollout "
+                             "itself runs no collective)")
     parser.add_argument("--timeout-s", type=float, default=300.0)
     parser.add_argument("--cpu-smoke", action="store_true")
     small = SMOKE
