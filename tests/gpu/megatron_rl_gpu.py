@@ -78,10 +78,10 @@ _record = {"iterations": [], "rollouts": [], "kv_cache_allocations": [], "errors
 # --- set-up before Megatron is imported ----------------------------------
 def share_the_gpu() -> None:
     """Megatron sets ``cuda:LOCAL_RANK``: fold it onto the GPUs that exist."""
-    import torch
+    from amem_callbacks.tools.launch import local_device
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    os.environ["LOCAL_RANK"] = str(local % max(1, torch.cuda.device_count()))
+    os.environ["LOCAL_RANK"] = str(local_device(local))
     _record["local_rank"], _record["device"] = local, int(os.environ["LOCAL_RANK"])
 
 

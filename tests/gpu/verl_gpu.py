@@ -99,6 +99,8 @@ sys.path.insert(0, STANDINS)  # the ray stand-in wins over an installed Ray
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from tests.gpu.common import bind_device, ranks_per_gpu  # noqa: E402
+
 SMOKE = "--cpu-smoke" in sys.argv
 FAKE_ROLLOUT = "amem_test_fake"  # the name our fake rollout is registered under
 VOCAB_SPECIALS = ["<pad>", "<eos>", "<unk>"]
@@ -721,8 +723,6 @@ def main() -> int:
         verl_cpu_platform.install()
         dist.init_process_group("gloo", timeout=timeout)
     else:
-        from tests.gpu.common import bind_device
-
         os.environ["LOCAL_RANK"] = str(bind_device())  # LOCAL_RANK % GPUs; see the docstring
         dist.init_process_group("cpu:gloo,cuda:nccl", timeout=timeout)  # what verl would make
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -743,8 +743,7 @@ def main() -> int:
                    "mode": "cpu-smoke (gloo, noop; not a GPU proof)" if SMOKE else "gpu",
                    "amem": args.amem, "args": vars(args), "versions": versions(),
                    "device": None if SMOKE else torch.cuda.get_device_name(),
-                   "ranks_per_gpu": None if SMOKE else
-                   -(-store.world // torch.cuda.device_count()),
+                   "ranks_per_gpu": None if SMOKE else ranks_per_gpu(),
                    "ray": getattr(ray, "STANDIN", f"ray {getattr(ray, '__version__', '?')}"),
                    "ray_standin_calls": getattr(ray, "USED", None),
                    "driver_merged_amem_metrics": ADAPTER.merge_rank_metrics(
