@@ -190,3 +190,36 @@ def _is_peft(model) -> bool:
     except ImportError:
         return False
     return model is not None and is_peft_model(model)
+
+
+def needs_settle_after_generate(trainer) -> bool:
+    """Whether the collectives after generation may bypass the guard, so the
+    resume must have finished before ``_generate`` returns.
+
+    torch DDP's reducer (gradient all-reduce, buffer broadcast) calls the C++
+    process group directly. FSDP2 (``fully_shard``, what accelerate's FSDP2
+    and HSDP build) issues its all-gathers and reduce-scatters through
+    ``torch.distributed``'s Python functions, which the guard holds back
+    until their group is back; so does DeepSpeed's ``deepspeed.comm``. Any
+    other or unknown wrapping settles, to be safe.
+    """
+    model = getattr(trainer, "model_wrapped", None) or getattr(trainer, "model", None)
+    sharding = _sharding(trainer)
+    if sharding == "FSDP2" or _is_fsdp2(model):
+        return _has_ddp(model)
+    return True
+
+
+def _is_fsdp2(model) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return isinstance(model, FSDPModule)
+
+
+def _has_ddp(model) -> bool:
+    from torch.nn.parallel import DistributedDataParallel
+
+    modules = model.modules() if hasattr(model, "modules") else ()
+    return any(isinstance(m, DistributedDataParallel) for m in modules)

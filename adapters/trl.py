@@ -30,10 +30,11 @@ from typing import Iterable, Mapping, Optional, Union
 
 from amem_callbacks import OffloadPolicy, name_group
 from amem_callbacks.groups import register_roles
+from amem_callbacks.options import OffloadOptions, check_bool, map_options
 from amem_callbacks.patching import Patches
 from amem_callbacks.session import RolloutSession
 
-from ._trl_groups import generation_mode, groups_generation_uses
+from ._trl_groups import generation_mode, groups_generation_uses, needs_settle_after_generate
 
 try:
     from transformers import TrainerCallback
@@ -47,8 +48,8 @@ PHASE = "rollout"
 # Accelerator methods that are collective: the first one inside generation ends the phase.
 _ACCELERATOR_COLLECTIVES = ("gather", "gather_for_metrics", "reduce", "pad_across_processes",
                             "wait_for_everyone")
-_POLICY_OPTIONS = frozenset({"min_bytes", "timeout_s", "agree_timeout_s", "host_memory_cap_bytes",
-                             "groups", "backend_options", "learn_keep", "workers"})
+#: AMemCallback keyword -> OffloadOptions field (TRL users write the policy's own names).
+OPTION_NAMES = {name: name for name in OffloadOptions.names()}
 # Callbacks whose trainer is inside a vLLM server-mode generate call (see _server_broadcast).
 _in_server_call: list = []
 
@@ -69,16 +70,21 @@ class AMemCallback(TrainerCallback):
             the mesh dims its parameters are sharded on, not HSDP's replicate
             dims) and, with transformers generation, the default group.
         guard: "resume", "strict" or "off" (see ``OffloadPolicy``).
-        overlap: suspend in the background while the model generates.
+        overlap: suspend in the background while the model generates, and
+            resume in the background after it (the guard holds back each
+            collective until its group is back; the callback waits before
+            code the guard cannot see, such as DDP's C++ reducer). Where the
+            memory is needed at once (vLLM's KV-cache wake-up) the begin
+            waits for it anyway.
         suspend_in_server_mode: with ``vllm_mode="server"`` generation runs on
             the server's GPUs and nothing on the trainer's GPUs can use freed
             memory meanwhile, so by default nothing is suspended there (one
             log line says so); True suspends anyway.
         log_metrics: add the ``amem/...`` figures to the trainer's logs, so they
             reach whatever ``report_to`` names.
-        **policy_options: ``min_bytes``, ``timeout_s``, ``agree_timeout_s``,
-            ``host_memory_cap_bytes``, ``groups``, ``backend_options``,
-            ``learn_keep``, ``workers``.
+        **policy_options: any other :class:`~amem_callbacks.OffloadOptions`
+            field (``min_bytes``, ``need_bytes``, ``timeout_s``, ``workers``,
+            ``backend_options``, ...).
 
     Attributes:
         session: the :class:`~amem_callbacks.session.RolloutSession`; its
@@ -94,20 +100,14 @@ class AMemCallback(TrainerCallback):
 
     def __init__(self, backend: Union[str, object] = "auto",
                  keep: Union[Iterable[str], Mapping[str, Iterable[str]]] = (), *,
-                 guard: str = "resume", overlap: bool = False, log_metrics: bool = True,
+                 guard: str = "resume", overlap: bool = True, log_metrics: bool = True,
                  suspend_in_server_mode: bool = False, **policy_options):
-        unknown = sorted(set(policy_options) - _POLICY_OPTIONS)
-        if unknown:
-            raise ValueError(f"AMemCallback got unknown option(s) {unknown}: use backend, keep, "
-                             f"guard, overlap, log_metrics or {sorted(_POLICY_OPTIONS)}")
-        for flag, value in (("log_metrics", log_metrics),
-                            ("suspend_in_server_mode", suspend_in_server_mode)):
-            if not isinstance(value, bool):
-                raise ValueError(f"{flag} must be True or False, got {value!r}")
+        check_bool("log_metrics", log_metrics)
+        check_bool("suspend_in_server_mode", suspend_in_server_mode)
+        given = dict(backend=backend, keep=keep, guard=guard, overlap=overlap, **policy_options)
+        # Bad options fail here, not at the first generation.
+        self.options = OffloadOptions(**map_options("AMemCallback", OPTION_NAMES, given))
         self.suspend_in_server_mode = suspend_in_server_mode
-        self._policy_kwargs = dict(backend=backend, keep=keep, guard=guard, overlap=overlap,
-                                   **policy_options)
-        OffloadPolicy(**self._policy_kwargs)  # bad options fail here, not at the first generation
         self.log_metrics = log_metrics
         self.trainer = None
         self._patches = Patches()
@@ -115,25 +115,26 @@ class AMemCallback(TrainerCallback):
 
     def _reset(self) -> None:
         """What one attach() learns at its first generation."""
-        self.session = RolloutSession(self._make_policy)
+        self.session: Optional[RolloutSession] = None  # made at the first generation
         self.kept: dict = {}
         self.mode: Optional[str] = None
         self._inside_generate = False  # between _generate's start and its return
         self._phase_done = False  # this _generate already had its begin and end
         self._in_vllm_call = False
         self._hooked = False
+        self._settle_after_generate = True
 
     @property
     def policy(self) -> Optional[OffloadPolicy]:
-        return self.session.policy
+        return self.session.policy if self.session is not None else None
 
     @property
     def last_begin(self):
-        return self.session.last("begin")
+        return self.session.last("begin") if self.session is not None else None
 
     @property
     def last_end(self):
-        return self.session.last("end")
+        return self.session.last("end") if self.session is not None else None
 
     # --- finding and handing over the trainer ------------------------------
     def on_init_end(self, args, state, control, **kwargs):
@@ -170,6 +171,9 @@ class AMemCallback(TrainerCallback):
 
         Adds the callback to the trainer's callbacks if it is not there yet.
         """
+        if trainer is None:
+            raise ValueError("attach() needs the trainer to serve, e.g. "
+                             "AMemCallback().attach(trainer), got None")
         if self.trainer is trainer:
             return self
         if self.trainer is not None:
@@ -214,19 +218,19 @@ class AMemCallback(TrainerCallback):
             # collective and the other ranks may be elsewhere; the guard
             # resumes a group the program uses again.
             self._inside_generate = False
-        self.session.settle()  # DDP's own C++ collectives come next and bypass the guard
+        if self.session is not None and self._settle_after_generate:
+            self.session.settle()  # collectives the guard cannot see come next
         return result
 
     def _start(self, where: str, memory_needed_now: bool = False) -> None:
-        if not self._inside_generate or self._phase_done or self.session.active:
-            return
-        if self._suspends_nothing():
+        if (not self._inside_generate or self._phase_done or self.session is None
+                or self.session.active or self._suspends_nothing()):
             return
         logger.debug("amem_callbacks: generation starts (%s): begin", where)
-        self.session.start(where, memory_needed_now=memory_needed_now)
+        self.session.start(where, need_bytes=None if memory_needed_now else 0)
 
     def _stop(self, where: str) -> None:
-        if not self.session.active:
+        if self.session is None or not self.session.active:
             return
         self._phase_done = True
         logger.debug("amem_callbacks: generation over (%s): end", where)
@@ -251,18 +255,19 @@ class AMemCallback(TrainerCallback):
             name = _keep_name(group, role)
             names.append(name)
             self.kept.setdefault(name, why)
-        keep = _merge_keep(self._policy_kwargs["keep"], PHASE, names)
+        keep = _merge_keep(self.options.keep, PHASE, names)
         if self.kept:
             level = logging.WARNING if "world" in self.kept else logging.INFO
             logger.log(level, "amem_callbacks: generation uses these groups, kept active: %s",
                        "; ".join(f"{name!r} ({why})" for name, why in self.kept.items()))
-        return OffloadPolicy(**{**self._policy_kwargs, "keep": keep})
+        return OffloadPolicy(self.options.replace(keep=keep))
 
     def _hook_generation(self) -> None:
         trainer = self.trainer
         self.mode = generation_mode(trainer)
         self._hooked = True
-        self.session.prepare()
+        self.session = RolloutSession(self._make_policy())
+        self._settle_after_generate = needs_settle_after_generate(trainer)
         if self._suspends_nothing():
             logger.info("amem_callbacks: vLLM server mode: generation runs on the server's GPUs, "
                         "so no memory freed here could serve it; nothing is suspended (pass "
@@ -346,12 +351,8 @@ def _keep_name(group, role: Optional[str]) -> str:
     return group.group_name
 
 
-def _merge_keep(keep, phase: str, extra: list):
-    if not extra:
-        return keep
-    if isinstance(keep, Mapping):
-        merged = {p: list(names) for p, names in keep.items()}
-    else:
-        merged = {"*": list(keep)}
-    merged[phase] = sorted(set(merged.get(phase, ())) | set(extra))
-    return merged
+def _merge_keep(keep: dict, phase: str, extra: list) -> dict:
+    """``keep`` (OffloadOptions' normalised form) with ``extra`` added for ``phase``."""
+    merged = {p: set(names) for p, names in keep.items()}
+    merged[phase] = merged.get(phase, set()) | set(extra)
+    return {p: sorted(names) for p, names in merged.items()}

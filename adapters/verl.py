@@ -98,8 +98,7 @@ class WorkerSession:
 
     def __init__(self, settings: AmemSettings, policy):
         self.settings = settings
-        self.session = RolloutSession(lambda: policy)
-        self.session.prepare()
+        self.session = RolloutSession(policy)
         self._lock = threading.Lock()
         self._generation = 0  # counts suspends, so a late early-resume cannot end a newer phase
         self._early: Optional[threading.Thread] = None
@@ -122,7 +121,8 @@ class WorkerSession:
         nothing else would make it wait for them."""
         with self._lock:
             self._generation += 1
-            self.session.start("update_weights")
+            # The KV cache is re-allocated right after: wait for the whole begin.
+            self.session.start("update_weights", need_bytes=None)
             if kv_cache_next:
                 late = self.session.store_barrier("verl-suspended")  # rounds number the calls
                 if late:

@@ -17,12 +17,23 @@ from datetime import timedelta
 
 from .states import Verdict
 
-# A vote, and an agreed value, is one store string "<verdict>|<detail>": the
-# backend name for SUSPEND, the reason for KEEP.
+# A vote, and an agreed value, is one store string "<verdict>|<detail>": for
+# SUSPEND the backend name, then ";bytes=N" (this rank's suspendable bytes, for
+# the order) and ";first=1" (resume it before the others) where they apply;
+# for KEEP the reason.
 
 
-def vote_suspend(backend_name: str) -> str:
-    return f"{Verdict.SUSPEND.value}|{backend_name}"
+def vote_suspend(backend_name: str, nbytes=None, first: bool = False) -> str:
+    extra = "" if nbytes is None else f";bytes={int(nbytes)}"
+    return f"{Verdict.SUSPEND.value}|{backend_name}{extra}{';first=1' if first else ''}"
+
+
+def suspend_details(value: str) -> dict:
+    """``{"backend": ..., "bytes": int or None, "first": bool}`` of a suspend value."""
+    backend, *fields = reason_of(value).split(";")
+    pairs = dict(f.split("=", 1) for f in fields if "=" in f)
+    return {"backend": backend, "bytes": int(pairs["bytes"]) if "bytes" in pairs else None,
+            "first": pairs.get("first") == "1"}
 
 
 def vote_keep(reason: str) -> str:
@@ -171,7 +182,12 @@ def _combine(votes: dict) -> str:
                 if verdict_of(v) is not Verdict.SUSPEND]
     if refusals:
         return vote_keep("; ".join(refusals))
-    backends = {reason_of(v) for v in votes.values()}
+    details = [suspend_details(v) for v in votes.values()]
+    backends = {d["backend"] for d in details}
     if len(backends) > 1:
         return vote_keep(f"ranks use different backends {sorted(backends)}")
-    return next(iter(votes.values()))
+    # Every member reads this one value, so the order built from it (largest
+    # first) and the resume tier are the same on every rank.
+    sizes = [d["bytes"] for d in details if d["bytes"] is not None]
+    return vote_suspend(backends.pop(), min(sizes) if sizes else None,
+                        any(d["first"] for d in details))

@@ -24,8 +24,13 @@ _vocabulary: set = {"world"}
 
 def name_group(group, role: str) -> None:
     """Give a process group a role name (used in ``keep`` and in reports)."""
+    from .options import OptionError
+
     if not isinstance(role, str) or not role:
-        raise ValueError(f"a group role must be a non-empty string, got {role!r}")
+        raise OptionError(f"a group role must be a non-empty string, got {role!r}")
+    if not isinstance(getattr(group, "group_name", None), str):
+        raise OptionError(f"name_group needs a process group (from init_process_group or "
+                          f"new_group), got {group!r}")
     _roles[group.group_name] = role
 
 
@@ -34,7 +39,9 @@ def register_roles(names) -> None:
     adapter calls this with its framework's vocabulary when it is imported)."""
     bad = [n for n in names if not isinstance(n, str) or not n]
     if bad:
-        raise ValueError(f"role names are non-empty strings, got {bad!r}")
+        from .options import OptionError
+
+        raise OptionError(f"role names are non-empty strings, got {bad!r}")
     _vocabulary.update(names)
 
 

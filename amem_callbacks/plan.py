@@ -19,6 +19,10 @@ class Decision:
     name: str
     action: Verdict
     reason: str = ""
+    #: suspendable bytes as this rank sees them (the agreed order uses the members' minimum)
+    nbytes: Optional[int] = None
+    #: the program uses it first after the phase: resume it before the others
+    first: bool = False
 
 
 def _mib(n: int) -> str:
@@ -26,7 +30,8 @@ def _mib(n: int) -> str:
 
 
 def make_plan(groups, phase: str, keep, min_bytes: int, host_cap: Optional[int],
-              process_wide: bool, backend_name: str, learned: Optional[dict] = None) -> list:
+              process_wide: bool, backend_name: str, learned: Optional[dict] = None,
+              need_bytes: Optional[int] = None, resume_first=()) -> list:
     """One :class:`Decision` per group, in the order of ``groups``.
 
     Args:
@@ -37,6 +42,9 @@ def make_plan(groups, phase: str, keep, min_bytes: int, host_cap: Optional[int],
         host_cap: most bytes NCCL may copy to pinned host memory in total.
         process_wide: the backend cannot keep single groups (AMem).
         learned: group key -> reason, for keeps learned from guard resumes.
+        need_bytes: suspend only the fewest groups, largest first, that cover
+            this many bytes; the others stay active as "not needed".
+        resume_first: names of groups to resume before the others at the end.
     """
     learned = learned or {}
     decisions = []
@@ -69,7 +77,11 @@ def make_plan(groups, phase: str, keep, min_bytes: int, host_cap: Optional[int],
             seen_handles[_handle_key(info.handle)] = info.name
             if info.memory is not None:
                 host_total += info.memory.suspendable
-            decisions.append(Decision(info.key, info.name, Verdict.SUSPEND))
+            decisions.append(Decision(info.key, info.name, Verdict.SUSPEND,
+                                      nbytes=info.memory.suspendable if info.memory else None,
+                                      first=info.matches(resume_first)))
+    if need_bytes is not None and not process_wide:
+        decisions = _only_what_is_needed(decisions, need_bytes)
 
     if process_wide:
         kept_nccl = [d.name for d, g in zip(decisions, groups)
@@ -82,6 +94,25 @@ def make_plan(groups, phase: str, keep, min_bytes: int, host_cap: Optional[int],
                                   d.reason if d.action is Verdict.KEEP else reason)
                          for d in decisions]
     return decisions
+
+
+def _only_what_is_needed(decisions: list, need_bytes: int) -> list:
+    """Keep every suspend past the largest ones that already cover ``need_bytes``:
+    fewer communicators to move means a shorter transition."""
+    candidates = sorted((d for d in decisions if d.action is Verdict.SUSPEND),
+                        key=lambda d: (-(d.nbytes or 0), d.key))
+    chosen, covered = set(), 0
+    for d in candidates:
+        if covered >= need_bytes:
+            break
+        chosen.add(d.key)
+        covered += d.nbytes or 0
+    names = [d.name for d in candidates if d.key in chosen]
+    return [d if d.action is not Verdict.SUSPEND or d.key in chosen else
+            Decision(d.key, d.name, Verdict.KEEP,
+                     f"not needed: the phase needs {_mib(need_bytes)}, "
+                     f"covered by {names} ({_mib(covered)})", nbytes=d.nbytes)
+            for d in decisions]
 
 
 def _handle_key(handle):

@@ -1,4 +1,12 @@
-"""``OffloadPolicy``: suspend idle NCCL groups for a phase, resume them after."""
+"""``OffloadPolicy``: suspend idle NCCL groups for a phase, resume them after.
+
+The walk of one ``begin``, top to bottom: the policy checks its phase state,
+:mod:`.decide` discovers the groups and runs the agreement rounds (backend and
+placement once, the plan every time) and returns an immutable plan,
+:class:`~amem_callbacks.transitions.Transitions` queues that plan's suspends
+on its worker thread, and the backend calls NCCL through ctypes there
+(GIL released). The policy is the one owner of "which phase is active".
+"""
 
 from __future__ import annotations
 
@@ -6,21 +14,18 @@ import contextlib
 import logging
 import threading
 import time
-from typing import Iterable, Mapping, Optional, Union
+from typing import Optional
 
-from .backends import CHOICES, select_backend, validate_backend_name
+from .backends import select_backend
+from .decide import Setup, agree_setup, plan_begin
+from .errors import TransitionTimeout
 from .learning import LearnedKeeps
-from .options import check_number, check_phase, normalise_keep
+from .options import OffloadOptions, check_number, check_phase, options_from
 from .report import Counters, TransitionReport
 from .states import GuardMode, Kind
+from .transitions import Transitions
 
 logger = logging.getLogger("amem_callbacks")
-
-DEFAULT_MIN_BYTES = 16 * 2**20
-# Measured on 2xH200, 8 groups (results/bench.json): one transition takes
-# suspend 2.63 / 2.41 / 2.38 s and resume 2.01 / 1.46 / 1.27 s with 1 / 4 / 8
-# threads; past 4 threads NCCL's own barriers dominate.
-DEFAULT_WORKERS = 4
 
 
 class OffloadPolicy:
@@ -31,37 +36,8 @@ class OffloadPolicy:
     bounded in time; no rank waits forever for another.
 
     Args:
-        backend: "auto" (nccl, then amem, else leave training untouched),
-            "nccl", "amem", "noop" (dry run), or a Backend instance.
-        keep: names of groups the phase still uses (roles such as "tp", a
-            ``group_desc``, "world"), for every phase; or a dict
-            ``{phase: names}``.
-        learn_keep: a group the guard had to resume during a phase stays
-            active in that phase from the next ``begin`` on (see
-            :mod:`amem_callbacks.learning`); ``forget_learned()`` undoes it.
-        min_bytes: groups with less suspendable NCCL memory stay active.
-        guard: "resume" (a call on a suspended group resumes it first),
-            "strict" (such a call raises), or "off".
-        overlap: ``begin``/``end`` return at once and the transition runs in
-            the background; a call on a group waits for it (via the guard).
-            With ``guard="off"`` nothing would make a call wait, so ``end``
-            waits for its resumes itself.
-        workers: threads that suspend/resume the groups of one transition
-            concurrently (each communicator has its own barrier); 1 runs them
-            one after another. See DEFAULT_WORKERS for the measurement.
-        timeout_s: longest wait for one suspend/resume; default: the group's
-            c10d timeout.
-        agree_timeout_s: how long members wait for each other to agree on a
-            plan before leaving a group active.
-        host_memory_cap_bytes: most bytes NCCL may copy to pinned host memory;
-            groups past the cap stay active.
-        groups: consider only these process groups (default: all).
-        backend_options: per-backend keyword arguments, e.g.
-            ``{"amem": {"library_path": "...", "group_id": 1}}`` or
-            ``{"nccl": {"path": "torch"}}``.
-        device: the CUDA device index this rank's communicators live on;
-            default: the current device of the thread that calls the first
-            ``begin`` (pass it when that thread is not the training thread).
+        options: an :class:`~amem_callbacks.OffloadOptions`; or give its
+            fields as keyword arguments (``OffloadPolicy(keep=["tp"])``).
 
     Example:
         >>> policy = OffloadPolicy(keep=["tp"])
@@ -69,79 +45,61 @@ class OffloadPolicy:
         ...     outputs = engine.generate(prompts)
     """
 
-    def __init__(self, backend: Union[str, object] = "auto",
-                 keep: Union[Iterable[str], Mapping[str, Iterable[str]]] = (), *,
-                 learn_keep: bool = True, min_bytes: int = DEFAULT_MIN_BYTES,
-                 guard: str = "resume", overlap: bool = False, workers: int = DEFAULT_WORKERS,
-                 timeout_s: Optional[float] = None, agree_timeout_s: float = 120.0,
-                 host_memory_cap_bytes: Optional[int] = None, groups: Optional[Iterable] = None,
-                 backend_options: Optional[dict] = None, device: Optional[int] = None):
-        if isinstance(backend, str):
-            validate_backend_name(backend)
-        elif not all(hasattr(backend, a) for a in ("check", "suspend", "resume", "communicator")):
-            raise ValueError(f"backend must be one of {CHOICES} or a Backend instance, "
-                             f"got {backend!r}")
-        if guard not in tuple(GuardMode):
-            raise ValueError(f"unknown guard mode {guard!r}: write one of "
-                             f"{tuple(m.value for m in GuardMode)}")
-        check_number("min_bytes", min_bytes, minimum=0, integer=True)
-        check_number("workers", workers, minimum=1, integer=True)
-        check_number("agree_timeout_s", agree_timeout_s, minimum=0, exclusive=True)
-        if timeout_s is not None:
-            check_number("timeout_s", timeout_s, minimum=0, exclusive=True)
-        if host_memory_cap_bytes is not None:
-            check_number("host_memory_cap_bytes", host_memory_cap_bytes, minimum=0,
-                         integer=True)
-        if device is not None:
-            check_number("device", device, minimum=0, integer=True)
-        for flag, value in (("overlap", overlap), ("learn_keep", learn_keep)):
-            if not isinstance(value, bool):
-                raise ValueError(f"{flag} must be True or False, got {value!r}")
-        if backend_options is not None and not isinstance(backend_options, dict):
-            raise ValueError("backend_options must be a dict such as "
-                             "{'amem': {'library_path': '/path/libnccl.so.2'}}")
-        unknown_options = set(backend_options or {}) - set(CHOICES)
-        if unknown_options:
-            raise ValueError(f"backend_options has unknown backends {sorted(unknown_options)}: "
-                             f"use {CHOICES[1:]}")
-        self._keep = normalise_keep(keep)
-        self.backend_spec = backend
-        self.learn_keep = learn_keep
-        self.min_bytes = min_bytes
-        self.guard_mode = GuardMode(guard)
-        self.overlap = overlap
-        self.workers = workers
-        self.device = device
-        self.timeout_s = timeout_s
-        self.agree_timeout_s = agree_timeout_s
-        self.host_memory_cap_bytes = host_memory_cap_bytes
-        self._only = list(groups) if groups is not None else None
-        self._backend_options = backend_options or {}
+    def __init__(self, options: Optional[OffloadOptions] = None, **kwargs):
+        self.options = options_from(options, kwargs)
         self.counters = Counters()
         self.last_report: Optional[TransitionReport] = None
         self.learned = LearnedKeeps()
-        self.placement = None
-        self.backend = None
-        self.backend_description = ""
-        self.inert = False
-        self._engine = None
+        self._setup: Optional[Setup] = None
+        self._transitions: Optional[Transitions] = None
         self._phase: Optional[str] = None
         self._pending = None
+        self._warned_not_ready = False
         self._lock = threading.RLock()
 
-    # --- public ----------------------------------------------------------
+    # --- what the options and the set-up say -----------------------------
+    def __getattr__(self, name):
+        # Read-only views of the options (policy.overlap, policy.min_bytes, ...).
+        options = self.__dict__.get("options")
+        if options is not None and name in OffloadOptions.names():
+            return getattr(options, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @property
+    def guard_mode(self) -> GuardMode:
+        return GuardMode(self.options.guard)
+
+    @property
+    def backend(self):
+        return self._setup.backend if self._setup is not None else None
+
+    @property
+    def backend_description(self) -> str:
+        return self._setup.description if self._setup is not None else ""
+
+    @property
+    def inert(self) -> bool:
+        """True once the ranks agreed that nothing can be freed here."""
+        return self._setup is not None and self._setup.inert
+
+    @property
+    def placement(self):
+        return self._setup.placement if self._setup is not None else None
+
     @property
     def active_phase(self) -> Optional[str]:
         return self._phase
 
     def keep_for(self, phase: str) -> frozenset:
-        return self._keep.get(phase, frozenset()) | self._keep.get("*", frozenset())
+        return self.options.keep_for(phase)
 
+    # --- public ----------------------------------------------------------
     def begin(self, phase: str = "rollout") -> TransitionReport:
         """Collective over all ranks: suspend the groups ``phase`` leaves idle.
 
-        Defined corner cases: called while a phase is active, it does nothing
-        and logs a warning; before ``init_process_group`` it does nothing.
+        Called while a phase is active, it does nothing and logs a warning.
+        Before ``init_process_group`` (or after ``destroy_process_group``) it
+        logs one warning and does nothing: no phase becomes active.
         """
         check_phase(phase)
         with self._lock:
@@ -149,34 +107,24 @@ class OffloadPolicy:
                 logger.warning("amem_callbacks: begin(%r) while phase %r is active: ignored",
                                phase, self._phase)
                 return self._skipped(phase, Kind.BEGIN, f"phase {self._phase!r} is already active")
-            self._phase = phase
             if not _distributed_ready():
-                return self._skipped(phase, Kind.BEGIN, "torch.distributed is not initialized")
-            self._setup()
+                return self._not_ready(phase)
+            self._set_up()
+            self._phase = phase
             if self.inert:
                 return self._skipped(phase, Kind.BEGIN, self.backend_description)
             self._wait_pending()
             self.counters.begins += 1
-            report = TransitionReport(phase=phase, kind=Kind.BEGIN, backend=self.backend.name,
-                                      started=time.monotonic(), pending=True,
-                                      device_shared_by=self.placement.sharing_my_device(),
-                                      learned=self.learned.by_phase().get(phase, {}))
-            from .groups import discover
-            from .memory import on_device
-            from .plan import make_plan
-
-            with on_device(self._engine.device):  # torch's pointer is per current device
-                groups = discover(self.backend, self._only, self.placement)
-            plan = make_plan(groups, phase, self.keep_for(phase), self.min_bytes,
-                             self.host_memory_cap_bytes, self.backend.process_wide,
-                             self.backend.name, learned=self.learned.reasons(phase))
-            return self._run(self._engine.begin(report, groups, plan), report)
+            report = self._new_report(phase, Kind.BEGIN)
+            plan = plan_begin(self._setup, self.options, phase, self.learned.reasons(phase))
+            return self._run(self._transitions.begin(report, plan), report)
 
     def end(self, phase: Optional[str] = None) -> TransitionReport:
         """Collective over all ranks: resume what ``begin`` suspended.
 
         ``end`` with no active phase does nothing; ``end`` naming a phase
-        other than the active one raises ValueError.
+        other than the active one raises ValueError. With ``overlap`` the
+        resumes run in the background, the ``resume_first`` groups first.
         """
         if phase is not None:
             check_phase(phase)
@@ -188,18 +136,14 @@ class OffloadPolicy:
                 raise ValueError(f"end({phase!r}) but the active phase is {self._phase!r}: "
                                  f"call end({self._phase!r})")
             phase, self._phase = self._phase, None
-            if self._engine is None:
-                return self._skipped(phase, Kind.END, self.backend_description
-                                     or "torch.distributed is not initialized")
+            if self._transitions is None:
+                return self._skipped(phase, Kind.END, self.backend_description)
             self.counters.ends += 1
-            resumed = self._engine.take_guard_resumes()
-            if self.learn_keep and resumed:
+            resumed = self._transitions.take_guard_resumes()
+            if self.options.learn_keep and resumed:
                 self.learned.note(phase, resumed)
-            report = TransitionReport(phase=phase, kind=Kind.END, backend=self.backend.name,
-                                      started=time.monotonic(), pending=True,
-                                      device_shared_by=self.placement.sharing_my_device(),
-                                      learned=self.learned.by_phase().get(phase, {}))
-            report = self._run(self._engine.end(report), report)
+            report = self._new_report(phase, Kind.END)
+            report = self._run(self._transitions.end(report), report)
             if self.guard_mode is GuardMode.OFF:
                 self._wait_pending()  # nothing else holds a call back until its group is back
             return report
@@ -228,6 +172,26 @@ class OffloadPolicy:
             self._wait_pending(timeout_s)
             return self.last_report
 
+    def wait_for_free(self, nbytes: Optional[int] = None,
+                      timeout_s: Optional[float] = None) -> int:
+        """Block until the running ``begin`` has freed ``nbytes`` on this rank
+        (by NCCL's account; default: all it will free), or has finished.
+
+        Where the phase allocates memory right away (a KV cache), call this
+        just before the allocation: the suspends of an overlapped ``begin``
+        then run while everything before it runs. Returns the bytes freed by
+        the latest ``begin`` so far (0 when nothing was suspended).
+        """
+        if nbytes is not None:
+            check_number("nbytes", nbytes, minimum=0, integer=True)
+        if self._transitions is None:
+            return 0
+        if nbytes is None:
+            self.wait(timeout_s)
+            return self._transitions.wait_for_bytes(0, timeout_s or 1.0)
+        return self._transitions.wait_for_bytes(
+            nbytes, timeout_s or self.options.timeout_s or self._transitions.longest_timeout_s())
+
     def forget_learned(self, phase: Optional[str] = None) -> None:
         """Drop the learned keep-sets (of one phase, or all): after the model or
         the process groups changed, the next phases learn afresh."""
@@ -250,14 +214,21 @@ class OffloadPolicy:
         adapter uses it when one rank's next step needs every rank's memory
         free). Returns the ranks that did not arrive in time (empty: all did).
         """
-        if self._engine is None:  # inert, or before the first begin: nothing to line up
-            return []
+        return self.store_exchange(name, "here", None)[1]
+
+    def store_exchange(self, name: str, value: str, ranks=None) -> tuple:
+        """Collective over ``ranks`` (default all), through the c10d store: share
+        one string. Returns ``({rank: value}, [ranks that did not arrive])``."""
+        if self._setup is None or self._setup.agreement is None:
+            return {}, []
         import torch.distributed as dist
 
-        key = f"__barrier__/{name}"
-        world = tuple(range(dist.get_world_size()))
-        arrived = self._engine.agreement.exchange({key: (world, "here")})[key]
-        return [rank for rank, value in arrived.items() if value is None]
+        key = f"__exchange__/{name}"
+        members = tuple(sorted(ranks)) if ranks is not None else tuple(
+            range(dist.get_world_size()))
+        seen = self._setup.agreement.exchange({key: (members, value)})[key]
+        return ({r: v for r, v in seen.items() if v is not None},
+                [r for r, v in seen.items() if v is None])
 
     def close(self) -> None:
         """End an active phase (collective) and wait for pending work."""
@@ -266,23 +237,27 @@ class OffloadPolicy:
         self.wait()
 
     # --- internals -------------------------------------------------------
-    def _run(self, task, report: TransitionReport) -> TransitionReport:
+    def _new_report(self, phase: str, kind: Kind) -> TransitionReport:
+        return TransitionReport(phase=phase, kind=kind, backend=self.backend.name,
+                                started=time.monotonic(), pending=True,
+                                device_shared_by=self.placement.sharing_my_device(),
+                                learned=self.learned.by_phase().get(phase, {}))
+
+    def _run(self, submitted, report: TransitionReport) -> TransitionReport:
         self.last_report = report
-        self._pending = task
-        if not self.overlap or report.gil_held:
+        self._pending = submitted.task
+        if not self.options.overlap or submitted.must_wait:
             self._wait_pending()
         return report
 
     def _wait_pending(self, timeout_s: Optional[float] = None) -> None:
-        from .errors import TransitionTimeout
-
         task, self._pending = self._pending, None
         if task is None:
             return
         try:
-            task.wait(timeout_s or self.timeout_s or self._engine.longest_timeout_s())
+            task.wait(timeout_s or self.options.timeout_s or self._transitions.longest_timeout_s())
         except TransitionTimeout as exc:
-            stuck = self._engine.unfinished_groups()
+            stuck = self._transitions.unfinished_groups()
             raise TransitionTimeout(f"{exc} Groups not finished on this rank: {stuck}.") from None
 
     def _skipped(self, phase: str, kind: Kind, why: str) -> TransitionReport:
@@ -291,43 +266,28 @@ class OffloadPolicy:
         self.last_report = report
         return report
 
-    def _setup(self) -> None:
-        """First begin on this rank: pick a backend and make all ranks agree on it."""
-        if self._engine is not None or self.inert:
-            return
-        import torch.distributed as dist
+    def _not_ready(self, phase: str) -> TransitionReport:
+        why = ("torch.distributed is not initialized: call init_process_group before "
+               "begin(); nothing was suspended and no phase is active")
+        if not self._warned_not_ready:
+            self._warned_not_ready = True
+            logger.warning("amem_callbacks: begin(%r): %s", phase, why)
+        return self._skipped(phase, Kind.BEGIN, why)
+
+    def _set_up(self) -> None:
+        """First begin on this rank (or the first after the default group was
+        replaced): pick a backend and make all ranks agree on it."""
         from torch.distributed import distributed_c10d as c10d
 
-        from .agreement import (Agreement, reason_of, shared_rounds, verdict_of, vote_keep,
-                                vote_suspend)
-        from .memory import current_device
-        from .placement import exchange
-        from .states import Verdict
-        from .transitions import Transitions
-
-        backend, description, inert = select_backend(self.backend_spec, self._backend_options)
-        agreement = Agreement(c10d._get_default_store(), dist.get_rank(), self.agree_timeout_s,
-                              rounds=shared_rounds(c10d._get_default_group()))
-        world = tuple(range(dist.get_world_size()))
-        vote = vote_keep(description) if inert else vote_suspend(backend.name)
-        agreed = agreement.decide({"__backend__": (world, vote)})["__backend__"]
-        self.backend = backend
-        if verdict_of(agreed) is not Verdict.SUSPEND:
-            if not inert:
-                logger.warning("amem_callbacks: not every rank can use backend %r (%s); "
-                               "training runs unchanged", backend.name, reason_of(agreed))
-            self.inert = True
-            self.backend_description = reason_of(agreed)
+        if self._setup is not None and self._setup.default_group is c10d._get_default_group():
             return
-        self.backend_description = description
-        device = self.device if self.device is not None else current_device()
-        if hasattr(backend, "device"):
-            backend.device = device
-        self.placement = exchange(agreement, world, dist.get_rank(), device)
-        self._engine = Transitions(backend, agreement, device, self.timeout_s,
-                                   self.counters, workers=self.workers,
-                                   strict=self.guard_mode is GuardMode.STRICT,
-                                   guarded=self.guard_mode is not GuardMode.OFF)
+        if self._setup is not None:
+            logger.info("amem_callbacks: the default process group was re-created; "
+                        "setting up again")
+        self._pending = None
+        self._setup = agree_setup(self.options, select_backend)
+        self._transitions = None if self._setup.inert else Transitions(
+            self._setup, self.options, self.counters)
 
 
 def _distributed_ready() -> bool:

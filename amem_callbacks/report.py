@@ -8,7 +8,6 @@ from typing import Optional
 from .states import Kind, Outcome
 
 
-
 @dataclass
 class GroupReport:
     key: str
@@ -74,6 +73,8 @@ class TransitionReport:
     device_shared_by: int = 1
     #: group name -> guard resumes that made it a learned keep for this phase
     learned: dict = field(default_factory=dict)
+    #: names of the groups this transition moves, known when it is queued
+    planned: list = field(default_factory=list)
 
     def _with(self, action: Outcome) -> list:
         return [g for g in self.groups if g.action == action]
@@ -142,6 +143,10 @@ class TransitionReport:
         """One log line."""
         if self.skipped:
             return f"{self.kind}({self.phase!r}): nothing done: {self.skipped}"
+        if self.pending:
+            verb = "suspending" if self.kind is Kind.BEGIN else "resuming"
+            return (f"{self.kind}({self.phase!r}) via {self.backend}: {verb} {self.planned} in "
+                    f"the background; kept {len(self.kept)}")
         parts = [f"{self.kind}({self.phase!r}) via {self.backend}:"]
         for action in (Outcome.SUSPENDED, Outcome.RESUMED, Outcome.WOULD_SUSPEND,
                        Outcome.WOULD_RESUME, Outcome.FAILED):
@@ -170,7 +175,12 @@ class Counters:
     ends: int = 0
     group_suspends: int = 0
     group_resumes: int = 0
+    #: a dry run (noop backend) counts here, never as suspends or resumes
+    would_suspends: int = 0
+    would_resumes: int = 0
     auto_resumes: int = 0
+    #: seconds callers spent held by the guard until their group was back
+    guard_wait_seconds: float = 0.0
     failures: int = 0
     transition_seconds: float = 0.0
     last_device_freed_bytes: int = 0

@@ -1,19 +1,32 @@
-"""``RolloutSession``: the one rollout seam every adapter drives.
+"""``RolloutSession``: the one rollout seam every adapter drives, and the way
+to add a framework.
 
 An adapter knows *where* a rollout starts and stops in its framework (which
-method, which call inside it) and which groups generation uses. Everything
-else is here, the same for TRL, verl and Megatron:
+method, which call inside it) and which groups generation uses; it builds an
+:class:`~amem_callbacks.OffloadPolicy` from that and hands it over. The
+session does the rest, the same for TRL, verl and Megatron:
 
-- the policy is built lazily, at the first rollout, when the groups exist;
 - ``start``/``stop`` are idempotent: a framework may reach a seam twice
   (a second generate call in one phase, two engines), and only the first
-  start and the first stop after it act;
-- when to block: ``start(memory_needed_now=True)`` returns once the memory is
-  free (a KV cache is allocated right after); ``stop`` returns once every
-  group is back unless the caller says the next calls all go through the
-  guard; the policy itself blocks where nothing else would protect a
-  collective (guard off, or torch's GIL-holding path);
+  start and the first stop after it act; whether a phase is active is the
+  policy's to say;
+- when to block: ``start(need_bytes=...)`` returns once that much memory is
+  free (a KV cache is allocated right after), ``start(need_bytes=0)``
+  returns at once with ``overlap``; ``stop`` returns once every group is
+  back unless the caller says the next collectives all pass the guard;
+- how long the caller waited, per call, for the critical-path figures;
 - a bounded history of reports and one ``metrics()`` covering begin and end.
+
+Example (a new framework)::
+
+    session = RolloutSession(OffloadPolicy(keep=["tp"], overlap=True))
+
+    def generate(batch):                        # the framework's rollout
+        session.start("generate", need_bytes=0) # every rank, same order
+        try:
+            return engine.generate(batch)
+        finally:
+            session.stop("generate", guarded_until_settle=True)
 """
 
 from __future__ import annotations
@@ -21,7 +34,8 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-from typing import Callable, Optional
+import time
+from typing import Optional
 
 from .report import TransitionReport
 
@@ -37,82 +51,83 @@ class RolloutSession:
     point of the same framework call.
 
     Args:
-        make_policy: builds the :class:`~amem_callbacks.OffloadPolicy` at the
-            first ``start`` (the groups and the engine exist by then).
+        policy: the :class:`~amem_callbacks.OffloadPolicy` to drive.
         phase: the phase name (``keep`` may be given per phase).
         history: how many (where, report) pairs to keep.
-
-    Example:
-        >>> session = RolloutSession(lambda: OffloadPolicy(keep=["tp"]))
-        >>> session.start("engine.resume", memory_needed_now=True)
-        >>> session.stop("engine.suspend")
     """
 
-    def __init__(self, make_policy: Callable, *, phase: str = PHASE, history: int = 16):
-        self._make_policy = make_policy
+    def __init__(self, policy, *, phase: str = PHASE, history: int = 16):
+        self.policy = policy
         self.phase = phase
-        self.policy = None
         self.history: collections.deque = collections.deque(maxlen=history)
+        self.waited = {"start": 0.0, "stop": 0.0, "memory": 0.0}  # caller seconds, cumulative
         self._lock = threading.RLock()
-
-    def prepare(self):
-        """Build the policy now if not yet (an adapter that decides at its first
-        seam what the policy keeps); returns it."""
-        with self._lock:
-            if self.policy is None:
-                self.policy = self._make_policy()
-            return self.policy
 
     @property
     def active(self) -> bool:
-        return self.policy is not None and self.policy.active_phase is not None
+        return self.policy.active_phase is not None
 
-    def start(self, where: str, *, memory_needed_now: bool = True) -> Optional[TransitionReport]:
+    def start(self, where: str, *, need_bytes: Optional[int] = None) -> Optional[TransitionReport]:
         """Collective: begin the phase (nothing when it is already active).
 
         Args:
             where: the seam, for logs and the history.
-            memory_needed_now: return only once the suspended memory is free
-                (something allocates right after); else an overlapped begin
-                returns at once and the suspends run while generation computes.
+            need_bytes: return once the begin has freed this many bytes on this
+                rank (something allocates right after); None waits for the
+                whole begin; 0 returns at once when the policy overlaps.
         """
         with self._lock:
-            self.prepare()
-            if self.policy.active_phase is not None:
+            if self.active:
                 return None
+            began = time.monotonic()
             report = self.policy.begin(self.phase)
-            if memory_needed_now:
+            if need_bytes is None:
                 self.policy.wait()
+            elif need_bytes > 0:
+                self.policy.wait_for_free(need_bytes)
+            self.waited["start"] += time.monotonic() - began
             return self._record(where, report)
+
+    def wait_for_memory(self, nbytes: Optional[int] = None) -> int:
+        """Block until the running begin has freed ``nbytes`` (default: all it
+        will free) on this rank; returns the bytes freed so far."""
+        began = time.monotonic()
+        try:
+            return self.policy.wait_for_free(nbytes)
+        finally:
+            self.waited["memory"] += time.monotonic() - began
 
     def stop(self, where: str, *, guarded_until_settle: bool = False) -> Optional[TransitionReport]:
         """Collective: end the phase (nothing when none is active).
 
         Args:
-            guarded_until_settle: the caller knows every call until its next
-                :meth:`settle` goes through ``torch.distributed``'s Python
-                functions (which the guard holds back until their own group is
-                back), so an overlapped resume may go on meanwhile. Otherwise
-                ``stop`` returns once every group is back: DDP's reducer,
-                DTensor and functional collectives bypass the guard.
+            guarded_until_settle: the caller knows every collective until its
+                next :meth:`settle` goes through ProcessGroup's Python methods
+                (which the guard holds back until their own group is back),
+                so an overlapped resume may go on meanwhile. Otherwise ``stop``
+                returns once every group is back: DDP's C++ reducer, DTensor
+                and functional collectives bypass the guard.
         """
         with self._lock:
             if not self.active:
                 return None
+            began = time.monotonic()
             report = self.policy.end(self.phase)
             if not guarded_until_settle:
                 self.policy.wait()
+            self.waited["stop"] += time.monotonic() - began
             return self._record(where, report)
 
     def settle(self) -> None:
         """Wait for a transition still running (before calls the guard cannot see)."""
-        if self.policy is not None:
-            self.policy.wait()
+        began = time.monotonic()
+        self.policy.wait()
+        self.waited["stop"] += time.monotonic() - began
 
     def store_barrier(self, name: str) -> list:
         """Collective over all ranks, through the c10d store (safe while NCCL
         groups are suspended): see :meth:`OffloadPolicy.store_barrier`."""
-        return self.policy.store_barrier(name) if self.policy is not None else []
+        return self.policy.store_barrier(name)
 
     def last(self, kind: str) -> Optional[TransitionReport]:
         """The latest finished report of ``kind`` ("begin" or "end")."""
@@ -122,12 +137,15 @@ class RolloutSession:
         return None
 
     def metrics(self, prefix: str = "amem/") -> dict:
-        """Running totals, the last finished begin and end, and whether the policy
-        is inert, as flat numbers for the framework's logger; {} before the first start."""
-        if self.policy is None:
+        """Running totals, the last finished begin and end, the caller's waits
+        and whether the policy is inert, as flat numbers for the framework's
+        logger; {} before the first start."""
+        if not self.history and self.policy.backend is None:
             return {}
         out = self.policy.metrics(prefix, last=False)
         out[prefix + "inert"] = int(self.policy.inert)
+        for name, seconds in self.waited.items():
+            out[f"{prefix}total/caller_wait_{name}_seconds"] = seconds
         for kind in ("begin", "end"):
             report = self.last(kind)
             if report is not None:

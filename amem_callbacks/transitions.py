@@ -18,17 +18,25 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from . import guard
-from .agreement import Agreement, reason_of, verdict_of, vote_keep, vote_suspend
+from .decide import PROCESS_KEY, AgreedPlan, Setup
 from .errors import SuspendedGroupError, TransitionTimeout
 from .executor import SerialExecutor, Task
 from .groups import GroupInfo
 from .memory import device_free_bytes, host_rss_bytes
 from .report import Counters, GroupReport, TransitionReport
-from .states import Kind, Outcome, Status, Verdict
+from .states import Kind, Outcome, Status
 
 logger = logging.getLogger("amem_callbacks")
 
-PROCESS_KEY = "__process__"
+
+@dataclass(frozen=True)
+class Submitted:
+    """A queued transition, and whether its caller must wait for it: groups
+    reached only through torch's GIL-holding methods cannot overlap anything
+    (decided when the batch is queued, from the plan, never by the worker)."""
+
+    task: Task
+    must_wait: bool
 
 
 @dataclass
@@ -49,6 +57,8 @@ class GroupState:
     suspendable: Optional[int] = None
     #: every process group whose calls depend on this state (several for AMem)
     covers: tuple = ()
+    #: resumed before the others at the end (agreed by its members)
+    first: bool = False
 
     def wait(self, what: str) -> None:
         if not self.finished.wait(self.timeout_s):
@@ -69,56 +79,67 @@ def group_timeout_s(group, default_s: float) -> float:
 
 
 class Transitions:
-    def __init__(self, backend, agreement: Agreement, device: Optional[int],
-                 timeout_s: Optional[float], counters: Counters, workers: int = 1,
-                 strict: bool = False, guarded: bool = True):
-        self.backend = backend
-        self.agreement = agreement
-        self.device = device
-        self.timeout_s = timeout_s
+    """Executes agreed plans: owns the state of every group it suspended, and
+    is the guard's owner of those groups (:class:`guard.GroupOwner`)."""
+
+    def __init__(self, setup: Setup, options, counters: Counters):
+        self.backend = setup.backend
+        self.agreement = setup.agreement
+        self.device = setup.device
+        self.timeout_s = options.timeout_s
         self.counters = counters
-        self.workers = workers
-        self.strict = strict  # guard='strict': raise instead of resuming
-        self.guarded = guarded  # guard='off': calls are not intercepted
+        self.workers = options.workers
+        self.strict = options.guard == "strict"  # raise instead of resuming
+        self.guarded = options.guard != "off"  # guard='off': calls are not intercepted
         self.executor = SerialExecutor()
         self.states: dict = {}  # key -> GroupState, for groups not known to be active
         self.auto_resumed: list = []  # GroupReports of guard resumes since the last end()
         self._guard_resumes: dict = {}  # group key -> (name, count) since the last end()
         self._warned_auto: set = set()
         self._warned_gil = False
+        # Bytes the latest begin has freed so far on this rank, for wait_for_bytes.
+        self._progress = threading.Condition()
+        self._freed_bytes = 0
+        self._begin_running = False
 
     # --- begin -----------------------------------------------------------
-    def begin(self, report: TransitionReport, groups, plan) -> Task:
-        """Collective: agree on the plan, then queue the suspend batch."""
-        import torch.distributed as dist
-
-        world = tuple(range(dist.get_world_size()))
-        proposals = {g.key: (g.ranks, vote_suspend(self.backend.name)
-                             if d.action is Verdict.SUSPEND else vote_keep(d.reason))
-                     for g, d in zip(groups, plan)}
-        if self.backend.process_wide:
-            proposals = {PROCESS_KEY: (world, _process_vote(groups, plan, self.backend.name))}
-        start = time.monotonic()
-        agreed = self.agreement.decide(proposals)
-        report.agree_seconds = time.monotonic() - start
-
-        chosen = []
-        for g, d in zip(groups, plan):
-            value = agreed.get(PROCESS_KEY if self.backend.process_wide else g.key)
-            if verdict_of(value) is Verdict.SUSPEND and d.action is Verdict.SUSPEND:
-                chosen.append(g)
-            elif d.action is Verdict.SUSPEND and not self.backend.process_wide:
-                report.groups.append(_group_report(g, Outcome.KEPT,
-                                                   "a peer rank refused: " + reason_of(value)))
-            else:
-                reason = d.reason if d.action is not Verdict.SUSPEND else reason_of(value)
-                report.groups.append(_group_report(g, Outcome.KEPT, reason))
+    def begin(self, report: TransitionReport, plan: AgreedPlan) -> Submitted:
+        """Queue the suspend batch of an agreed plan (the agreement is done)."""
+        report.agree_seconds = plan.agree_seconds
+        for info, reason in plan.kept:
+            report.groups.append(_group_report(info, Outcome.KEPT, reason))
         work = [(s, _group_report(s.info, Outcome.SUSPENDED, suspendable=s.suspendable,
                                   path=self.backend.path_of(s.info.handle)), s.finished)
-                for s in self._new_states(chosen, groups, world)]
-        self._note_gil(report, work)
-        return self.executor.submit(lambda: self._batch(report, work, self._suspend,
+                for s in self._new_states(plan)]
+        report.planned = [s.info.name for s, _r, _d in work]
+        must_wait = self._note_gil(report, work)
+        with self._progress:
+            self._freed_bytes, self._begin_running = 0, True
+        task = self.executor.submit(lambda: self._batch(report, [work], self._suspend,
                                                         self._close_begin), "begin transition")
+        return Submitted(task, must_wait)
+
+    def wait_for_bytes(self, nbytes: int, timeout_s: float) -> int:
+        """Block until the running begin has freed ``nbytes`` on this rank (by
+        NCCL's account) or has finished; returns the bytes freed so far."""
+        deadline = time.monotonic() + timeout_s
+        with self._progress:
+            while self._begin_running and self._freed_bytes < nbytes:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransitionTimeout(
+                        f"waiting for {nbytes / 2**20:.0f} MiB to be freed: only "
+                        f"{self._freed_bytes / 2**20:.0f} MiB after {timeout_s:g} s; a peer "
+                        "rank is probably missing, dead or in a different phase.")
+                self._progress.wait(left)
+            return self._freed_bytes
+
+    def _freed(self, nbytes: int, done: bool = False) -> None:
+        with self._progress:
+            self._freed_bytes += nbytes
+            if done:
+                self._begin_running = False
+            self._progress.notify_all()
 
     def _note_gil(self, report: TransitionReport, work) -> None:
         """Groups reachable only through torch's GIL-holding methods: no thread
@@ -126,10 +147,10 @@ class Transitions:
         threads and overlap would only stall; worse, a worker holding the GIL in
         a barrier could keep this rank from issuing the very collective a peer's
         barrier waits for. Their batch runs one call at a time and the caller
-        waits for it (the policy reads ``report.gil_held``)."""
+        waits for it. Returns whether it must."""
         held = [s.info.name for s, _r, _d in work if self.backend.holds_gil(s.info.handle)]
         if not held:
-            return
+            return False
         report.gil_held = True
         if not self._warned_gil:
             self._warned_gil = True
@@ -141,25 +162,20 @@ class Transitions:
                            "Fix: a torch whose NCCL backend gives its communicator pointer "
                            "(the default 'nccl' of torch 2.11-2.15; not torch 2.14's opt-in "
                            "nccl2)", held, why)
+        return True
 
-    def _new_states(self, chosen, groups, world) -> list:
-        if not chosen:
-            return []
-        if self.backend.process_wide:
-            world_group = next(g for g in groups if len(g.ranks) == len(world))
-            info = GroupInfo(group=world_group.group, key=PROCESS_KEY, name="process",
-                             ranks=world, handle=None)
-            members = [(info, tuple(g.group for g in chosen),
-                        sum(g.memory.suspendable for g in chosen if g.memory))]
-        else:
-            members = [(g, (g.group,), g.memory.suspendable if g.memory else None) for g in chosen]
+    def _new_states(self, plan: AgreedPlan) -> list:
         states = []
-        for info, covers, suspendable in members:
-            state = GroupState(info=info, covers=covers, suspendable=suspendable,
+        for item in plan.suspend:
+            info = item.info
+            suspendable = (item.nbytes if info.key == PROCESS_KEY else
+                           info.memory.suspendable if info.memory else None)
+            state = GroupState(info=info, covers=item.covers, suspendable=suspendable,
+                               first=item.first,
                                timeout_s=self.timeout_s or group_timeout_s(info.group, 1800.0))
             self.states[info.key] = state
             if self.guarded:
-                for group in covers:
+                for group in item.covers:
                     guard.watch(group, self)
             states.append(state)
         return states
@@ -175,15 +191,23 @@ class Transitions:
 
             torch.cuda.set_device(self.device)
 
-    def _batch(self, report: TransitionReport, work, op: Callable, close: Callable):
+    def _batch(self, report: TransitionReport, tiers, op: Callable, close: Callable):
+        """Run ``op`` over the tiers one after the other, each tier's groups in
+        the given order (the same on every rank), on ``workers`` threads."""
         self._bind_device()
         self._measure(report, "before")
-        if self.workers <= 1 or len(work) <= 1 or report.gil_held:
-            for item in work:
-                self._run_op(op, *item)
-        else:
-            self._run_pool(op, work)
-        close(report, work)
+        work = [item for tier in tiers for item in tier]
+        try:
+            for tier in tiers:
+                if self.workers <= 1 or len(tier) <= 1 or report.gil_held:
+                    for item in tier:
+                        self._run_op(op, *item)
+                else:
+                    self._run_pool(op, tier)
+            close(report, work)
+        finally:
+            if report.kind is Kind.BEGIN:
+                self._freed(0, done=True)
         report.groups.sort(key=lambda g: g.key)
         self._measure(report, "after")
         return self._finish(report)
@@ -245,8 +269,13 @@ class Transitions:
         try:
             self.backend.suspend(state.info.handle)
             state.status = Status.SUSPENDED
-            rep.action = Outcome.WOULD_SUSPEND if self.backend.dry_run else Outcome.SUSPENDED
-            self.counters.group_suspends += 1
+            if self.backend.dry_run:
+                rep.action = Outcome.WOULD_SUSPEND
+                self.counters.would_suspends += 1
+            else:
+                rep.action = Outcome.SUSPENDED
+                self.counters.group_suspends += 1
+                self._freed(state.suspendable or 0)
         except Exception as exc:
             rep.action, rep.error = Outcome.FAILED, str(exc)
             self.counters.failures += 1
@@ -282,9 +311,12 @@ class Transitions:
                     rep.action = Outcome.FAILED
                     self._mark_broken(state, rep, f"resume failed twice: {first}; {second}")
                     return
-        self.counters.group_resumes += 1
-        if self.backend.dry_run and rep.action is Outcome.RESUMED:
-            rep.action = Outcome.WOULD_RESUME
+        if self.backend.dry_run:
+            self.counters.would_resumes += 1
+            if rep.action is Outcome.RESUMED:
+                rep.action = Outcome.WOULD_RESUME
+        else:
+            self.counters.group_resumes += 1
         self._mark_active(state)
 
     def _peer_outcomes(self, work, succeeded: Callable, what: str):
@@ -312,8 +344,9 @@ class Transitions:
             report.groups.append(rep)
 
     # --- end -------------------------------------------------------------
-    def end(self, report: TransitionReport) -> Task:
-        """Collective: queue a resume for every group this policy holds suspended."""
+    def end(self, report: TransitionReport) -> Submitted:
+        """Collective: queue a resume for every group this policy holds suspended,
+        the groups agreed as ``first`` before the others."""
         report.groups.extend(self.auto_resumed)
         self.auto_resumed = []
         states = [s for _k, s in sorted(self.states.items())
@@ -326,9 +359,13 @@ class Transitions:
                                               suspendable=state.suspendable,
                                               path=self.backend.path_of(state.info.handle)),
                          state.finished))
-        self._note_gil(report, work)
-        return self.executor.submit(lambda: self._batch(report, work, self._resume,
-                                                        self._close_end), "end transition")
+        must_wait = self._note_gil(report, work)
+        report.planned = [s.info.name for s, _r, _d in work]
+        tiers = [[w for w in work if w[0].first], [w for w in work if not w[0].first]]
+        task = self.executor.submit(lambda: self._batch(report, [t for t in tiers if t],
+                                                        self._resume, self._close_end),
+                                    "end transition")
+        return Submitted(task, must_wait)
 
     def _close_end(self, report: TransitionReport, work) -> None:
         for state, rep, failed in self._peer_outcomes(
@@ -403,6 +440,13 @@ class Transitions:
         state = self._state_of(group)
         if state is None:
             return
+        began = time.monotonic()
+        try:
+            self._make_usable(state, group, kind, call)
+        finally:
+            self.counters.guard_wait_seconds += time.monotonic() - began
+
+    def _make_usable(self, state: GroupState, group, kind: guard.CallKind, call: str) -> None:
         name = state.info.name
         if state.resume_queued:  # end() or another call already resumes it: just wait
             state.wait(f"{call} waiting for the resume")
@@ -459,14 +503,6 @@ def _ranks(group) -> list:
     import torch.distributed as dist
 
     return dist.get_process_group_ranks(group)
-
-
-def _process_vote(groups, plan, backend_name: str) -> str:
-    """A process-wide backend pauses all or nothing: one vote for the whole process."""
-    if any(d.action is Verdict.SUSPEND for d in plan):
-        return vote_suspend(backend_name)
-    reasons = [d.reason for g, d in zip(groups, plan) if g.handle is not None]
-    return vote_keep(reasons[0] if reasons else "no communicator to pause")
 
 
 def _group_report(info: GroupInfo, action: Outcome, reason: str = "",

@@ -131,7 +131,7 @@ def describe_groups(controller, ps) -> dict:
     from amem_callbacks.backends.noop import NoopBackend
     from amem_callbacks.groups import discover
 
-    plan = controller.plan
+    plan = controller.rollout_groups
     gloo_twins = {id(getattr(ps, n)) for n in dir(ps)
                   if n.endswith("_GLOO") and getattr(ps, n) is not None}
     return {
@@ -158,28 +158,30 @@ def engine_cycle(args):
     for cycle in range(args.get("cycles", 2)):
         engine.resume()
         drain(engine)
+        controller.policy.wait()  # the begin runs behind the caller (overlap)
         during = fake.suspended()
-        kept = [e for e in controller.plan.entries if e.keep]
+        kept = [e for e in controller.rollout_groups.entries if e.keep]
         kept_exact = all(exact(e.group, cycle + 2.0) for e in kept)
         still = fake.suspended()  # calls on kept groups must not have resumed anything
         engine.resume()  # running already: the engine returns at once, no second begin
         begins = controller.policy.counters.begins
         engine.suspend()
+        controller.policy.wait()
         after = fake.suspended()
         engine.suspend()  # suspended already: no second end
-        all_exact = all(exact(e.group, cycle + 3.0) for e in controller.plan.entries)
+        all_exact = all(exact(e.group, cycle + 3.0) for e in controller.rollout_groups.entries)
         out["cycles"].append({
             "begin": summary(controller.reports[-2][1]), "end": summary(controller.reports[-1][1]),
             "via": [controller.reports[-2][0], controller.reports[-1][0]],
             "during": during, "still": still, "after": after, "kept_exact": kept_exact,
             "begins_after_second_resume": begins, "all_exact": all_exact})
     out.update(
-        mode=controller.plan.mode, kept=controller.plan.kept_names,
+        mode=controller.rollout_groups.mode, kept=controller.rollout_groups.kept_names,
         counters=controller.policy.counters.as_dict(), context_calls=engine.context.calls,
         tensorboard_names=sorted({n for n, _, _ in tensorboard.scalars}),
         tensorboard_steps=sorted({s for _, _, s in tensorboard.scalars}),
         wandb_calls=len(wandb.logged),
-        wandb_first=wandb.logged[0][0] if wandb.logged else None,
+        wandb_end=wandb.logged[1][0] if len(wandb.logged) > 1 else None,
         **describe_groups(controller, ps))
     return out
 
@@ -199,13 +201,15 @@ def separate_engine(args):
     engine = make_engine(pg_collection=collection)
     engine.resume()
     drain(engine)
+    controller.policy.wait()
     during = fake.suspended()
     inference_ok = exact(inference_tp, 2.0)
     engine.suspend()
-    return {"mode": controller.plan.mode, "during": during,
+    controller.policy.wait()
+    return {"mode": controller.rollout_groups.mode, "during": during,
             "begin": summary(controller.reports[0][1]), "inference_ok": inference_ok,
             "after": fake.suspended(),
-            "all_exact": all(exact(e.group, 4.0) for e in controller.plan.entries)}
+            "all_exact": all(exact(e.group, 4.0) for e in controller.rollout_groups.entries)}
 
 
 def amem_in_place(args):
@@ -220,10 +224,11 @@ def amem_in_place(args):
     engine = make_engine()
     engine.resume()
     drain(engine)
+    controller.policy.wait()
     paused = fake.controls.lib.fakeAmemPaused()
     engine.suspend()
     return {"begin": summary(controller.reports[0][1]), "paused_during": paused,
-            "all_exact": all(exact(e.group, 2.0) for e in controller.plan.entries)}
+            "all_exact": all(exact(e.group, 2.0) for e in controller.rollout_groups.entries)}
 
 
 INTERFACE_SOURCE = '''
@@ -274,10 +279,12 @@ def interface_seam(args):
     for cycle in range(2):
         loop.run_until_complete(interface.resume())
         drain(engine)
+        controller.policy.wait()
         during = fake.suspended()
         loop.run_until_complete(interface.suspend())
+        controller.policy.wait()
         cycles.append({"during": during, "after": fake.suspended(),
-                       "exact": all(exact(e.group, cycle + 2.0) for e in controller.plan.entries)})
+                       "exact": all(exact(e.group, cycle + 2.0) for e in controller.rollout_groups.entries)})
     return {"patched": patched, "cycles": cycles, "via": [v for v, _ in controller.reports],
             "counters": controller.policy.counters.as_dict(), "calls": interface.calls,
             "engine_calls": engine.context.calls}
@@ -310,6 +317,7 @@ def args_provider(args):
     drain(engine)
     engine.suspend()
     controller = hooks.current_controller()
+    controller.policy.wait()
     tensorboard, wandb = (global_vars._GLOBAL_TENSORBOARD_WRITER,
                           global_vars._GLOBAL_WANDB_WRITER)
     return {"settings": [controller.settings.backend, list(controller.settings.keep)],

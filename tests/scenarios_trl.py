@@ -95,7 +95,13 @@ class Recorder:
             out["suspended"] = self.fake.suspended()
         return out
 
-    def note(self, what: str, **more) -> None:
+    def note(self, what: str, settle: bool = False, **more) -> None:
+        """``settle``: read the groups' state once an overlapped transition has
+        finished (the callback overlaps by default; the strict stand-in NCCL,
+        not this record, proves no collective met a suspended group meanwhile)."""
+        policy = self.callback.policy if self.callback else None
+        if settle and policy is not None:
+            policy.wait()
         self.events.append({"what": what, **self.state(), **more})
 
 
@@ -111,7 +117,7 @@ def _record_policy_calls() -> None:
 
         def recorded(self, *args, _original=original, _kind=kind, **kwargs):
             report = _original(self, *args, **kwargs)
-            RECORDER.note(_kind, skipped=report.skipped)
+            RECORDER.note(_kind, settle=_kind == "end", skipped=report.skipped)
             return report
 
         setattr(OffloadPolicy, kind, recorded)
@@ -122,7 +128,7 @@ def spy_model_generate(trainer) -> None:
     original = trainer.model.generate
 
     def generate(*args, **kwargs):
-        RECORDER.note("model.generate")
+        RECORDER.note("model.generate", settle=True)
         return original(*args, **kwargs)
 
     trainer.model.generate = generate

@@ -15,7 +15,9 @@ from tests.harness import ROOT, free_port, run_ranks
 
 # find_spec, not importorskip: importing megatron.core here would cost seconds
 # in the pytest process; the scenarios import it in their own processes.
-if importlib.util.find_spec("megatron.core") is None:
+# find_spec("megatron.core") raises, not returns None, when "megatron" itself is missing.
+if importlib.util.find_spec("megatron") is None or \
+        importlib.util.find_spec("megatron.core") is None:
     pytest.skip("megatron-core is not installed: pip install 'amem-callbacks[megatron]'",
                 allow_module_level=True)
 
@@ -112,8 +114,10 @@ def test_no_learn_keep_flag_reaches_the_policy(hooks_removed):
     settings = settings_from_args(parse(["--rl-amem-offload-during-rollout",
                                          "--rl-amem-no-learn-keep"]))
     assert settings.learn_keep is False and settings_from_args(parse([])).learn_keep is True
-    with pytest.raises(ValueError, match="overlap has nothing to hide"):
-        RolloutOffload(settings, policy_options={"overlap": True})
+    assert RolloutOffload(settings).options.learn_keep is False
+    assert RolloutOffload(settings).options.overlap is True  # off the critical path by default
+    assert settings_from_args(parse(["--rl-amem-offload-during-rollout",
+                                     "--rl-amem-blocking"])).options().overlap is False
 
 
 def test_group_id_without_amem_is_ignored_with_a_warning(hooks_removed, caplog):
@@ -170,7 +174,8 @@ def test_metrics_go_to_tensorboard_and_wandb_writers():
                      "amem/begin/group/dp/bytes", "amem/total/begins"):
             assert name in names
         assert res["wandb_calls"] == 4  # begin and end, two rollouts
-        assert res["wandb_first"]["amem/begin/groups_suspended"] == len(IDLE_IN_PLACE)
+        # overlapped: a begin's figures are written once it has finished (at the end)
+        assert res["wandb_end"]["amem/begin/groups_suspended"] == len(IDLE_IN_PLACE)
 
 
 def test_keep_groups_flag_keeps_those_groups_active():
@@ -240,7 +245,8 @@ def test_launcher_runs_a_script_with_the_flags_and_hooks(tmp_path):
         res = json.load(open(tmp_path / f"rank{rank}.json"))
         assert res["script_args"]["grpo_group_size"] == 4  # the script got its own flags
         assert res["settings"] == {"enabled": True, "backend": "noop", "keep": ["dp", "world"],
-                                   "group_id": None, "learn_keep": True}
+                                   "group_id": None, "learn_keep": True, "overlap": True,
+                                   "grow_kv_cache": False, "kv_margin_gb": 0.25}
         kinds = [(via, kind) for via, kind, _ in res["reports"]]
         assert kinds == [("DynamicInferenceEngine.resume", "begin"),
                          ("DynamicInferenceEngine.suspend", "end")] * 2
@@ -248,7 +254,8 @@ def test_launcher_runs_a_script_with_the_flags_and_hooks(tmp_path):
         assert begin["dp"] == begin["world"] == begin["tp"] == "kept"
         assert begin["dp_cp"] == begin["expert_dp"] == "would suspend"
         assert f"[rank {rank}] amem_callbacks: rollout begin at DynamicInferenceEngine.resume: "\
-               "begin('rollout') via noop: would suspend" in out
+               "begin('rollout') via noop: suspending ['" in out  # overlapped: still running
+        assert f"[rank {rank}] amem_callbacks: begin('rollout') via noop: would suspend" in out
 
 
 def test_add_args_alone_reads_megatrons_global_args_and_writers():

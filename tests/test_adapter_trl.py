@@ -197,3 +197,29 @@ def test_generation_that_gathers_parameters_keeps_the_default_group_and_says_so_
         assert run["counters"]["amem/total/begins"] == 2
         assert [name for name, _ in res["zero3"]] == ["world", res["zero3_key"]]
         assert all("DeepSpeed ZeRO-3 gathers parameters" in why for _, why in res["zero3"])
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"keep": 5}, "keep must be a list of group names"),
+    ({"backend_options": {"nccl": 3}}, "backend_options['nccl'] must be a dict"),
+    ({"backend_options": {"nccl": {"bogus": 1}}}, "backend 'nccl' has no option(s) ['bogus']"),
+    ({"bogus": 1}, "AMemCallback: unknown option(s) ['bogus']: write one of"),
+    ({"log_metrics": "yes"}, "log_metrics must be True or False"),
+    ({"guard": "loose"}, "unknown guard mode 'loose'"),
+])
+def test_bad_options_fail_when_the_callback_is_made(kwargs, message):
+    from amem_callbacks import AmemError
+    from amem_callbacks.adapters.trl import AMemCallback
+
+    with pytest.raises(ValueError) as err:
+        AMemCallback(**kwargs)
+    assert message in str(err.value) and isinstance(err.value, AmemError)
+
+
+def test_attach_refuses_none_and_objects_that_do_not_generate():
+    from amem_callbacks.adapters.trl import AMemCallback
+
+    with pytest.raises(ValueError, match="attach\\(\\) needs the trainer"):
+        AMemCallback().attach(None)
+    with pytest.raises(ValueError, match="does not"):
+        AMemCallback().attach(types.SimpleNamespace())

@@ -43,7 +43,7 @@ def test_guard_resumes_a_suspended_group_before_a_call_on_it(world):
         assert res["dp_exact"] and res["dp_suspended_after_call"] is False
         assert res["barrier_ok"] and res["exact_after"]
         groups = res["end"]["groups"]
-        assert "all_reduce" in groups["dp"][1] and "barrier" in groups["world"][1]
+        assert "allreduce" in groups["dp"][1] and "barrier" in groups["world"][1]
         if rank == 1:
             assert res["p2p_value"] == [7.0] * 4
         if rank < 2:

@@ -14,7 +14,6 @@ The scenarios run in the rank processes (``tests.test_trl_groups:<name>``).
 """
 
 import functools
-import inspect
 import os
 import types
 
@@ -142,29 +141,25 @@ def hsdp_and_1d(args):
 
 
 def _trace_collectives(used: list):
-    """Record (function, group) of every torch.distributed collective the guard can see."""
+    """Record (method, group) of every ProcessGroup call the guard can see."""
     import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
 
-    from amem_callbacks.guard import GUARDED_FUNCTIONS
+    from amem_callbacks.guard import GUARDED_METHODS
 
-    world = c10d._get_default_group()
+    cls = dist.ProcessGroup
     undo = []
-    for name, (_kind, group_arg) in GUARDED_FUNCTIONS.items():
-        original = getattr(dist, name, None)
-        if original is None:
+    for name in GUARDED_METHODS:
+        if name not in cls.__dict__:
             continue
-        signature = inspect.signature(original)
+        raw, original = cls.__dict__[name], getattr(cls, name)
 
-        @functools.wraps(original)
-        def traced(*a, _original=original, _signature=signature, _group_arg=group_arg,
-                   _name=name, **k):
-            used.append((_name, _signature.bind_partial(*a, **k).arguments.get(_group_arg) or world))
-            return _original(*a, **k)
+        def traced(self, *a, _original=original, _name=name, **k):
+            used.append((_name, self))
+            return _original(self, *a, **k)
 
-        setattr(dist, name, traced)
-        undo.append((name, original))
-    return lambda: [setattr(dist, n, f) for n, f in undo]
+        setattr(cls, name, traced)
+        undo.append((name, raw))
+    return lambda: [setattr(cls, n, f) for n, f in undo]
 
 
 def accelerate_hsdp_generate(args):
@@ -291,7 +286,7 @@ def test_real_generate_calls_only_kept_groups_and_never_the_replicate_group():
         assert "dp_replicate" not in kept
         assert {u.split("@")[1] for u in used} <= set(kept), (used, kept)
         # what generate really calls: the finished flag on world, the gathers on dp_shard_cp
-        assert any(u.startswith("all_reduce@world") for u in used)
+        assert any(u.startswith("allreduce@world") for u in used)
         assert any(u.endswith("@dp_shard_cp") for u in used)
         # one log line names both kept groups with their reasons, and not the replicate group
         line = res["log_line"]

@@ -24,6 +24,23 @@ from amem_callbacks import OffloadPolicy
     ({"device": -1}, "device must be an integer >= 0"),
     ({"workers": 0}, "workers must be an integer >= 1"),
     ({"backend_options": {"ncc": {}}}, "backend_options has unknown backends ['ncc']"),
+    ({"backend_options": {"nccl": 3}}, "backend_options['nccl'] must be a dict"),
+    ({"backend_options": {"nccl": {"bogus": 1}}}, "backend 'nccl' has no option(s) ['bogus']"),
+    ({"backend_options": {"nccl": {"path": "fast"}}}, "unknown nccl path 'fast'"),
+    ({"backend_options": {"amem": {"group_id": -2}}}, "group_id must be an integer >= 0"),
+    ({"backend_options": {"noop": {"x": 1}}}, "backend 'noop' has no option(s) ['x']"),
+    ({"backend_options": []}, "backend_options must be a dict"),
+    ({"keep": 5}, "keep must be a list of group names"),
+    ({"keep": [5]}, "group names are non-empty strings"),
+    ({"keep": {"": ["tp"]}}, "a phase is a non-empty string"),
+    ({"groups": 5}, "groups must be a list of process groups"),
+    ({"groups": "tp"}, "groups must be a list of process groups"),
+    ({"groups": ["tp"]}, "groups must hold torch.distributed process groups"),
+    ({"need_bytes": -1}, "need_bytes must be an integer >= 0"),
+    ({"resume_first": "world"}, "resume_first must be a list of group names"),
+    ({"learn_keep": 1}, "learn_keep must be True or False"),
+    ({"workers": 2.0}, "workers must be an integer"),
+    ({"bogus": 1}, "unknown option(s) ['bogus']: OffloadOptions has"),
 ])
 def test_bad_input_names_the_valid_choices(kwargs, message):
     with pytest.raises(ValueError) as err:
@@ -59,10 +76,45 @@ def test_bad_phase_names_are_refused():
             policy.begin(bad)
 
 
-def test_before_init_process_group_begin_and_end_do_nothing():
+def test_every_bad_input_is_an_amem_error_and_a_value_error():
+    from amem_callbacks import AmemError, OptionError
+
+    with pytest.raises(OptionError) as err:
+        OffloadPolicy(keep=5)
+    assert isinstance(err.value, AmemError) and isinstance(err.value, ValueError)
+
+
+def test_options_object_or_keywords_and_not_a_stray_positional():
+    from amem_callbacks import OffloadOptions
+
+    options = OffloadOptions(keep=["world"], overlap=True)
+    assert OffloadPolicy(options).overlap and OffloadPolicy(overlap=True).overlap
+    assert OffloadPolicy(options, min_bytes=0).options.keep_for("x") == {"world"}
+    assert OffloadPolicy("noop").options.backend == "noop"  # the old positional backend
+    with pytest.raises(ValueError, match="takes an OffloadOptions or keyword arguments"):
+        OffloadPolicy(5)
+    with pytest.raises(AttributeError):
+        OffloadOptions(keep=["world"]).keep = []  # frozen
+
+
+def test_name_group_refuses_what_is_not_a_group():
+    from amem_callbacks import name_group
+
+    with pytest.raises(ValueError, match="name_group needs a process group"):
+        name_group(None, "tp")
+    with pytest.raises(ValueError, match="a group role must be a non-empty string"):
+        name_group(None, "")
+
+
+def test_before_init_process_group_begin_warns_once_and_leaves_no_phase(caplog):
     policy = OffloadPolicy(backend="noop")
-    assert policy.begin("rollout").skipped == "torch.distributed is not initialized"
-    assert policy.end("rollout").skipped == "torch.distributed is not initialized"
+    with caplog.at_level("WARNING", logger="amem_callbacks"):
+        first = policy.begin("rollout")
+        second = policy.begin("rollout")
+    assert "call init_process_group before begin()" in first.skipped
+    assert policy.active_phase is None and second.skipped == first.skipped
+    assert len([r for r in caplog.records if "init_process_group" in r.getMessage()]) == 1
+    assert policy.end("rollout").skipped == "no phase is active"
     assert policy.end().skipped == "no phase is active"
 
 

@@ -1,28 +1,28 @@
 """Where a Megatron rollout begins and ends, hooked without editing Megatron.
 
-Two seams; both are wrapped and the controller acts on whichever comes first
-(a begin while a rollout is active, or an end while none is, is ignored):
+Seams (read from megatron-core 0.19.2 and Megatron-LM core_r0.19.0; the
+controller acts on whichever comes first, and a begin while a rollout is
+active, or an end while none is, does nothing):
 
-* ``DynamicInferenceEngine.resume`` / ``.suspend`` (megatron-core): resume
-  re-allocates the KV cache and suspend frees it. Megatron-LM's RL loop drives
-  them from 0.17 on (its interface sends SUSPEND/RESUME to the engines). The
-  wrapper acts only when the call really changes the engine's state (0.16's
-  coordinator loop called ``resume()`` every 20 ms; 0.19 calls it once per
-  RESUME signal).
-* ``megatron.rl.inference.megatron.MegatronLocal.resume`` / ``.suspend``
-  (Megatron-LM's RL inference interface, called once per rollout on every
-  rank after the warm-up collectives). At core_v0.16.1 it only pauses and
-  unpauses the engines and never calls the engine's suspend/resume; from 0.17
-  on the first rollout finds the freshly launched engine running, so the
-  engine's resume is not called either.
+* ``megatron.rl.rl_utils.get_environment_rollouts(model, inference_model,
+  optimizer, ...)`` (Megatron-LM's loop asks for rollouts; looked up by name
+  at each call, so wrapping the module attribute reaches it): the deferred
+  parameter gather is finished with the optimizer at hand, and with a
+  launched in-place engine the begin starts here, overlapped. Its exit turns
+  the parameter-gather hooks back on, whatever happened inside.
+* ``megatron.rl.inference.megatron.MegatronLocal.resume`` (once per rollout,
+  after the engine's launch): the begin of the first rollout (the launch
+  broadcasts on ``dp`` and ``world``, so nothing may be suspended before it),
+  of a separate inference model's rollouts, and of Megatron-LM 0.16.
+* ``DynamicInferenceEngine.resume`` (megatron-core; re-allocates the KV cache
+  when the engine really was suspended): the begin of loops that drive the
+  engine themselves, and the KV-cache growth right before the allocation.
+* ``DynamicInferenceEngine.suspend`` (frees the KV cache) and
+  ``MegatronLocal.suspend``: the end, after the cache is gone.
+* ``megatron.core.distributed.DistributedDataParallel.__init__``: every model
+  chunk is tracked, so a loop other than Megatron-LM's gets its deferred
+  parameter gathers finished too.
 
-Begin runs before the wrapped resume, so the KV cache it allocates can use the
-freed memory; end runs after the wrapped suspend, once the KV cache is gone.
-On megatron-core 0.19.2 with Megatron-LM's ``train_rl.py`` (measured on GPU,
-``results/one_h200/k_megatron_rl_0192``) each rollout begins at
-``MegatronLocal.resume`` and ends at the engine's ``suspend``; the engine
-allocates its KV cache at launch, before the first begin, so the freed memory
-serves it from the second rollout on.
 The modules are patched when they are first imported, so installing the hooks
 imports neither torch nor Megatron.
 """
@@ -30,11 +30,13 @@ imports neither torch nor Megatron.
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 from typing import Callable, Optional
 
 from amem_callbacks.patching import Patches, forget, when_imported
+
+from . import param_sync
+from .offload import megatron_args
 
 logger = logging.getLogger("amem_callbacks")
 
@@ -42,6 +44,9 @@ ENGINE_MODULE = "megatron.core.inference.engines.dynamic_engine"
 ENGINE_CLASS = "DynamicInferenceEngine"
 INTERFACE_MODULE = "megatron.rl.inference.megatron"
 INTERFACE_CLASS = "MegatronLocal"
+LOOP_MODULE = "megatron.rl.rl_utils"
+LOOP_FUNCTION = "get_environment_rollouts"
+DDP_MODULE = param_sync.DDP_MODULE
 
 _lock = threading.Lock()
 _controller = None
@@ -83,16 +88,11 @@ def engine_suspended(engine) -> bool:
     return bool(getattr(engine, "is_suspended", False))
 
 
-def _begin(engine, via: str) -> None:
+def _call(method: str, *args, **kwargs):
     controller = current_controller()
     if controller is not None:
-        controller.rollout_begin(engine, via=via)
-
-
-def _end(engine, via: str) -> None:
-    controller = current_controller()
-    if controller is not None:
-        controller.rollout_end(engine, via=via)
+        return getattr(controller, method)(*args, **kwargs)
+    return None
 
 
 def patch_engine(cls) -> bool:
@@ -101,14 +101,14 @@ def patch_engine(cls) -> bool:
 
     def resume(original, self, *args, **kwargs):
         if engine_suspended(self):  # a real wake-up, not the coordinator's 20 ms poll
-            _begin(self, f"{where}.resume")
+            _call("engine_resuming", self, via=f"{where}.resume")
         return original(self, *args, **kwargs)
 
     def suspend(original, self, *args, **kwargs):
         was_suspended = engine_suspended(self)
         out = original(self, *args, **kwargs)
         if not was_suspended:
-            _end(self, f"{where}.suspend")
+            _call("rollout_end", self, via=f"{where}.suspend")
         return out
 
     ok = _patches.wrap(cls, "resume", resume) | _patches.wrap(cls, "suspend", suspend)
@@ -124,13 +124,35 @@ def patch_interface(cls) -> bool:
     sync or async, the wrappers follow)."""
     where = cls.__name__
     engine_of = lambda self: getattr(self, "_inference_engine", None)  # noqa: E731
-    return (_patches.wrap(cls, "resume", before=lambda self, *a, **k: _begin(
-                engine_of(self), f"{where}.resume"))
-            | _patches.wrap(cls, "suspend", after=lambda result, self, *a, **k: _end(
-                engine_of(self), f"{where}.suspend")))
+    return (_patches.wrap(cls, "resume", before=lambda self, *a, **k: _call(
+                "rollout_begin", engine_of(self), via=f"{where}.resume"))
+            | _patches.wrap(cls, "suspend", after=lambda result, self, *a, **k: _call(
+                "rollout_end", engine_of(self), via=f"{where}.suspend")))
 
 
-def _patch_module(class_name: str, patch: Callable) -> Callable:
+def patch_loop(module) -> bool:
+    """Wrap ``get_environment_rollouts`` of Megatron-LM's RL loop."""
+    def around(original, *args, **kwargs):
+        controller = current_controller()
+        if controller is None:
+            return original(*args, **kwargs)
+        named = dict(zip(("model", "inference_model", "optimizer"), args), **kwargs)
+        # The launch (first rollout) broadcasts on groups a begin would suspend, and a
+        # separate inference model is refitted over training groups first: begin
+        # later there (MegatronLocal.resume).
+        interface = getattr(module, "_INFERENCE_INTERFACE", None)
+        engine = None if named.get("inference_model") is not None else getattr(
+            interface, "_inference_engine", None)
+        try:
+            controller.before_rollouts(engine, named.get("model"), named.get("optimizer"))
+            return original(*args, **kwargs)
+        finally:
+            controller.after_rollouts()
+
+    return _patches.wrap(module, LOOP_FUNCTION, around)
+
+
+def _patch_class(class_name: str, patch: Callable) -> Callable:
     def action(module):
         cls = getattr(module, class_name, None)
         if cls is None:
@@ -141,15 +163,26 @@ def _patch_module(class_name: str, patch: Callable) -> Callable:
     return action
 
 
+def _patch_loop_module(module) -> None:
+    if not patch_loop(module) and not hasattr(module, LOOP_FUNCTION):
+        logger.warning("amem_callbacks: %s has no %s: the begin waits for the engine's "
+                       "resume and the deferred parameter gathers are finished there",
+                       module.__name__, LOOP_FUNCTION)
+
+
 def install_hooks() -> None:
-    """Patch the engine and the RL interface now or when they are imported (idempotent)."""
+    """Patch the engine, the RL interface, the RL loop and DDP now or when they are
+    imported (idempotent)."""
     global _installed
     with _lock:
         if _installed:
             return
         _installed = True
-    when_imported(ENGINE_MODULE, _patch_module(ENGINE_CLASS, patch_engine))
-    when_imported(INTERFACE_MODULE, _patch_module(INTERFACE_CLASS, patch_interface))
+    when_imported(ENGINE_MODULE, _patch_class(ENGINE_CLASS, patch_engine))
+    when_imported(INTERFACE_MODULE, _patch_class(INTERFACE_CLASS, patch_interface))
+    when_imported(LOOP_MODULE, _patch_loop_module)
+    when_imported(DDP_MODULE, _patch_class(param_sync.DDP_CLASS,
+                                           lambda cls: param_sync.track(cls, _patches)))
 
 
 def remove_hooks() -> None:
@@ -157,12 +190,10 @@ def remove_hooks() -> None:
     global _installed
     with _lock:
         _patches.undo()
-        forget((ENGINE_MODULE, INTERFACE_MODULE))
+        forget((ENGINE_MODULE, INTERFACE_MODULE, LOOP_MODULE, DDP_MODULE))
         _installed = False
     set_controller(None)
 
 
-def megatron_args():
-    """Megatron-LM's global args, without importing megatron.training."""
-    global_vars = sys.modules.get("megatron.training.global_vars")
-    return getattr(global_vars, "_GLOBAL_ARGS", None) if global_vars else None
+__all__ = ["current_controller", "engine_suspended", "install_hooks", "megatron_args",
+           "remove_hooks", "set_controller", "set_controller_source"]

@@ -1,18 +1,42 @@
 """The per-process controller the rollout hooks call: a ``RolloutSession`` over
-Megatron's groups, and its figures for Megatron's loggers."""
+Megatron's groups, the deferred parameter gather, the KV-cache growth, and
+the figures for Megatron's loggers.
+
+Where it waits (megatron-core 0.19.2 with Megatron-LM core_r0.19.0's RL loop,
+read from their sources; ``docs/design.md`` has the per-collective audit):
+
+- begin never waits by itself. From the second rollout on it starts where
+  Megatron-LM's loop asks for rollouts (``get_environment_rollouts``), after
+  the deferred parameter gather was finished; the suspends run behind the
+  loop's own set-up and the generation. With ``--rl-amem-grow-kv-cache`` the
+  engine's ``resume`` waits for them just before it allocates the cache.
+- end never waits by itself either: Megatron's training collectives (DDP and
+  distributed-optimizer buckets, clip-grad, loss and logging reductions, TP/PP
+  mappings) are all ProcessGroup method calls the guard holds back until
+  their group is back, and ``world`` (the rollouts' broadcast comes at once)
+  is resumed before the others. Set-ups whose collectives the guard cannot
+  see (Megatron-FSDP's DTensors, training CUDA graphs, NCCL user buffers)
+  make end wait for every group.
+"""
 
 from __future__ import annotations
 
+import collections
 import logging
 import sys
 from typing import Optional
 
+from amem_callbacks import OffloadPolicy
 from amem_callbacks.session import RolloutSession
 
-from . import roles
+from . import param_sync, roles
 from .args import Settings
+from .kv_cache import KvCacheGrowth
 
 logger = logging.getLogger("amem_callbacks")
+
+#: Megatron-LM broadcasts the rollouts on the default group right after the engine suspends.
+RESUME_FIRST = ("world",)
 
 
 class RolloutOffload:
@@ -20,16 +44,14 @@ class RolloutOffload:
 
     The policy is built at the first rollout, when ``parallel_state`` exists:
     which groups stay active depends on the engine (see
-    :func:`~amem_callbacks.adapters.megatron.roles.classify`). Both seams
-    block: the engine allocates its KV cache right after the begin, and
-    training runs DDP and optimizer collectives right after the end.
+    :func:`~amem_callbacks.adapters.megatron.roles.classify`).
 
     Args:
         settings: the flags' values.
         backend: a Backend instance to use instead of ``settings.backend`` (tests).
         writers: ``(tensorboard_writer, wandb_writer)``; default: Megatron's
             global writers, looked up at each report (either may be None).
-        policy_options: more ``OffloadPolicy`` keyword arguments.
+        policy_options: more :class:`~amem_callbacks.OffloadOptions` fields.
 
     Example:
         >>> controller = RolloutOffload(Settings(enabled=True, keep=("dp",)))
@@ -39,43 +61,56 @@ class RolloutOffload:
 
     def __init__(self, settings: Settings, *, backend=None, writers=None,
                  policy_options: Optional[dict] = None):
-        options = dict(policy_options or {})
-        if "overlap" in options:
-            raise ValueError("Megatron: overlap has nothing to hide here (the engine allocates "
-                             "its KV cache right after the begin, and training collectives "
-                             "follow the end at once): leave it out")
-        from amem_callbacks import OffloadPolicy
-
-        OffloadPolicy(backend=backend or settings.backend, **options)  # bad options fail now
+        extra = dict(policy_options or {})
+        if backend is not None:
+            extra["backend"] = backend
+        self.options = settings.options(resume_first=RESUME_FIRST, **extra)  # bad input fails now
         self.settings = settings
-        self._backend = backend
         self._writers = writers
-        self._policy_options = options
-        self._engine = None
+        self.session: Optional[RolloutSession] = None
+        self.rollout_groups = None  # roles.RolloutGroups, at the first rollout
+        self.kv_reports: collections.deque = collections.deque(maxlen=16)
+        self._growth = KvCacheGrowth(int(settings.kv_margin_gb * 2**30), self._exchange) \
+            if settings.grow_kv_cache else None
+        self._hooks_off: list = []  # model chunks whose parameter-gather hooks are off
         self._warned = False
-        self.plan = None
-        self.session = RolloutSession(self._make_policy)
 
     @property
     def enabled(self) -> bool:
         return self.settings.enabled
 
     @property
-    def policy(self):
-        return self.session.policy
+    def policy(self) -> Optional[OffloadPolicy]:
+        return self.session.policy if self.session is not None else None
 
     @property
     def active(self) -> bool:
-        return self.session.active
+        return self.session is not None and self.session.active
 
     @property
     def reports(self) -> list:
         """(via, report) pairs, most recent last; bounded."""
-        return list(self.session.history)
+        return list(self.session.history) if self.session is not None else []
+
+    # --- the seams -----------------------------------------------------------
+    def before_rollouts(self, engine, model=None, optimizer=None) -> None:
+        """Megatron-LM asks for rollouts (``get_environment_rollouts``): finish the
+        deferred parameter gather with the optimizer at hand, then, with a
+        launched in-place engine, begin at once (overlapped)."""
+        if self.enabled and not self.active:
+            self._hooks_off += param_sync.finish_before_suspend(model, optimizer)
+        if engine is not None:
+            self.rollout_begin(engine, via="get_environment_rollouts")
+
+    def after_rollouts(self) -> None:
+        """The rollouts are back (or failed): the pre-hooks must be on again, or
+        training would run on parameters nobody gathered."""
+        param_sync.restore(self._hooks_off)
+        self._hooks_off = []
 
     def rollout_begin(self, engine=None, via: str = ""):
-        """Collective over all ranks: suspend the idle groups. Returns the report,
-        or None when a rollout is already active or nothing can be done yet."""
+        """Collective over all ranks: start suspending the idle groups. Returns the
+        report, or None when a rollout is already active or nothing can be done yet."""
         if not self.enabled or self.active:
             return None
         if not _distributed_ready() or not roles.is_initialized():
@@ -85,24 +120,48 @@ class RolloutOffload:
                                "and Megatron's parallel_state were initialized; nothing "
                                "offloaded", via)
             return None
-        self._engine = engine
-        return self._logged(self.session.start(via, memory_needed_now=True), via)
+        # A loop other than Megatron-LM's: finish the gathers of every tracked chunk
+        # (without the optimizer; chunks that need it keep their hooks, and the guard
+        # resumes their group if a hook gathers).
+        self._hooks_off += param_sync.finish_before_suspend(None, None)
+        if self.session is None:
+            self.session = RolloutSession(self._build_policy(engine))
+        return self._logged(self.session.start(via, need_bytes=0), via)
+
+    def engine_resuming(self, engine, via: str = ""):
+        """The engine is about to re-allocate its KV cache: begin if not yet, and
+        with growth on, wait for the suspends and size the cache from them."""
+        self.rollout_begin(engine, via=via)
+        if self._growth is None or not self.active:
+            return None
+        freed = self.session.wait_for_memory()
+        report = self._growth.before_resume(engine, freed)
+        self.kv_reports.append(report)
+        logger.info("amem_callbacks: rollout at %s: %s", via, report.summary())
+        write_metrics(report.as_dict(), self._writers)
+        return report
 
     def rollout_end(self, engine=None, via: str = ""):
         """Collective over all ranks: resume what ``rollout_begin`` suspended."""
-        return self._logged(self.session.stop(via), via)
+        if not self.active:
+            return None
+        if self._growth is not None:
+            _give_back_cached_memory()  # the grown KV's blocks, for NCCL's resume
+        report = self.session.stop(via, guarded_until_settle=_guard_sees_training())
+        self.after_rollouts()
+        return self._logged(report, via)
 
-    def _make_policy(self):
-        from amem_callbacks import OffloadPolicy
+    # --- set-up at the first rollout ----------------------------------------------
+    def _build_policy(self, engine) -> OffloadPolicy:
+        groups = roles.classify(engine, keep=self.settings.keep)
+        roles.name_groups(groups)
+        self.rollout_groups = groups
+        logger.info("amem_callbacks: Megatron rollout offload, %s", groups.describe())
+        return OffloadPolicy(self.options.replace(
+            keep={"rollout": groups.kept_names}, groups=groups.groups))
 
-        plan = roles.classify(self._engine, keep=self.settings.keep)
-        roles.name_groups(plan)
-        self.plan = plan
-        logger.info("amem_callbacks: Megatron rollout offload, %s", plan.describe())
-        return OffloadPolicy(
-            backend=self._backend or self.settings.backend, keep={"rollout": plan.kept_names},
-            groups=plan.groups, backend_options=self.settings.backend_options(),
-            **{"learn_keep": self.settings.learn_keep, **self._policy_options})
+    def _exchange(self, name: str, value: str, ranks) -> tuple:
+        return self.policy.store_exchange(name, value, ranks)
 
     def _logged(self, report, via: str):
         if report is not None:
@@ -120,6 +179,32 @@ def _distributed_ready() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def _guard_sees_training() -> bool:
+    """Whether every collective Megatron runs after the rollout is a ProcessGroup
+    method call (the guard holds it back until its group is back)."""
+    args = megatron_args()
+    if args is None:
+        return True
+    blind = {"--use-megatron-fsdp": getattr(args, "use_megatron_fsdp", False),
+             "--nccl-ub": getattr(args, "nccl_ub", False),
+             "training CUDA graphs": getattr(args, "rl_training_cuda_graphs", False)
+             or getattr(args, "cuda_graph_impl", "none") == "transformer_engine"
+             or getattr(args, "external_cuda_graph", False)}
+    return not any(blind.values())
+
+
+def _give_back_cached_memory() -> None:
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def megatron_args():
+    """Megatron-LM's global args, without importing megatron.training."""
+    global_vars = sys.modules.get("megatron.training.global_vars")
+    return getattr(global_vars, "_GLOBAL_ARGS", None) if global_vars else None
+
+
 def megatron_writers() -> tuple:
     """Megatron-LM's ``(tensorboard, wandb)`` writers; each None when absent."""
     global_vars = sys.modules.get("megatron.training.global_vars")
@@ -130,8 +215,7 @@ def megatron_writers() -> tuple:
 
 
 def megatron_iteration() -> Optional[int]:
-    global_vars = sys.modules.get("megatron.training.global_vars")
-    args = getattr(global_vars, "_GLOBAL_ARGS", None) if global_vars else None
+    args = megatron_args()
     for name in ("curr_iteration", "iteration"):
         value = getattr(args, name, None)
         if isinstance(value, int):

@@ -24,11 +24,15 @@ def validate_backend_name(name) -> None:
                          "(or pass a Backend instance)")
 
 
-def create_backend(name: str, **options):
+def backend_class(name: str):
+    """The class of a named backend (its module imports no torch)."""
     validate_backend_name(name)
     module_name, class_name = BACKENDS[name]
-    cls = getattr(importlib.import_module(module_name), class_name)
-    return cls(**options) if name != "noop" else cls()
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def create_backend(name: str, **options):
+    return backend_class(name)(**options)
 
 
 def select_backend(name, options: dict) -> tuple:

@@ -56,8 +56,19 @@ class AmemBackend(Backend):
     name = "amem"
     process_wide = True
 
+    @staticmethod
+    def check_options(library_path=None, group_id=None, library=None, handle_of=None) -> None:
+        """Raise ValueError naming the fix for a bad option value."""
+        if library_path is not None and (not isinstance(library_path, str) or not library_path):
+            raise ValueError(f"library_path must be the path of AMem's libnccl.so.2, "
+                             f"got {library_path!r}")
+        if group_id is not None and (not isinstance(group_id, int) or isinstance(group_id, bool)
+                                     or group_id < 0):
+            raise ValueError(f"group_id must be an integer >= 0, got {group_id!r}")
+
     def __init__(self, library_path: Optional[str] = None, group_id: Optional[int] = None,
                  library: Optional[NcclLibrary] = None, handle_of=None):
+        self.check_options(library_path, group_id, library, handle_of)
         self.library_path = library_path
         self.group_id = group_id
         self._library = library

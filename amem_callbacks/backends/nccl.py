@@ -139,11 +139,18 @@ class NcclBackend(Backend):
 
     name = "nccl"
 
-    def __init__(self, library: Optional[NcclLibrary] = None,
-                 handle_of: Optional[Callable] = None, path: str = "auto"):
+    @staticmethod
+    def check_options(library=None, handle_of=None, path: str = "auto") -> None:
+        """Raise ValueError naming the fix for a bad option value."""
         if path not in PATH_CHOICES:
             raise ValueError(f"unknown nccl path {path!r}: write one of "
                              f"{', '.join(map(repr, PATH_CHOICES))}")
+        if handle_of is not None and not callable(handle_of):
+            raise ValueError(f"handle_of must be a function of a process group, got {handle_of!r}")
+
+    def __init__(self, library: Optional[NcclLibrary] = None,
+                 handle_of: Optional[Callable] = None, path: str = "auto"):
+        self.check_options(library, handle_of, path)
         self._library = library
         self.path = path
         self.device: Optional[int] = None  # set by the policy: the rank's CUDA device

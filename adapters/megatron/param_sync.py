@@ -1,0 +1,112 @@
+"""Finish Megatron's deferred parameter all-gather before a rollout suspends its group.
+
+With ``--overlap-param-gather`` (distributed or layer-wise optimizer) the
+optimizer step does not gather the updated parameters: forward pre-hooks on
+every submodule do it in the next forward (megatron-core 0.16.1 and 0.19.2,
+``DistributedDataParallel._make_forward_pre_hook``). Megatron-LM's RL loop
+enables those hooks after the first training step and leaves them on during
+in-place inference, so the rollout's first forward issues the all-gather on
+the distributed-optimizer group (``dp_cp``), the very group a rollout
+suspends: measured on one H200, NCCL 2.30.7, an illegal memory access in the
+second rollout.
+
+Choice: do what Megatron itself does before evaluation
+(``megatron.training.training.disable_forward_pre_hook``): stage the
+parameters (``optimizer.prepare_model_params_for_param_sync``, which matters
+for MXFP8 parameter reuse), turn the hooks off with a synchronous gather
+(``disable_forward_pre_hook(param_sync=True)``), and turn them back on once
+the rollout is over. The gather then happens while the group is still
+active, the rollout's forwards issue none, and the next training forward
+dispatches its own as usual. Forcing the gather alone would not do: the
+hooks would still wait on, and with MXFP8 reuse re-dispatch, bucket state
+mid-rollout.
+
+Without the optimizer (a loop that is not Megatron-LM's), a model that reuses
+gradient buffers for MXFP8 gathers cannot be staged; its hooks stay on, and
+the guard, which sees the gather (a ProcessGroup method call inside the
+coalescing manager), resumes its group before it runs; that group is then
+kept in later rollouts (learned keep).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+
+logger = logging.getLogger("amem_callbacks")
+
+DDP_MODULE = "megatron.core.distributed.distributed_data_parallel"
+DDP_CLASS = "DistributedDataParallel"
+
+#: every Megatron DDP chunk built while the hooks were installed
+_chunks: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def track(cls, patches) -> None:
+    """Record every DistributedDataParallel built from now on (``__init__``
+    wrapped through ``patches``, so the adapter's undo removes it)."""
+    def init(original, self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        _chunks.add(self)
+
+    patches.wrap(cls, "__init__", init)
+
+
+def _is_megatron_ddp(module) -> bool:
+    cls = type(module)  # torch's DDP has the same class name
+    return cls.__name__ == DDP_CLASS and cls.__module__.startswith("megatron.")
+
+
+def hooks_on(chunk) -> bool:
+    """The chunk defers its parameter all-gather to forward pre-hooks right now."""
+    return bool(getattr(chunk, "use_forward_hook", False)) and bool(
+        getattr(chunk, "remove_forward_pre_hook_handles", None))
+
+
+def _reuses_grad_buffer(chunk) -> bool:
+    config = getattr(chunk, "ddp_config", None)
+    return bool(getattr(config, "reuse_grad_buf_for_mxfp8_param_ag", False))
+
+
+def _ddp_chunks(model) -> list:
+    """The Megatron DDP wrappers in ``model`` (a chunk list, one module, or None: all tracked)."""
+    if model is None:
+        return list(_chunks)
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    found = []
+    for chunk in chunks:
+        for module in chunk.modules() if hasattr(chunk, "modules") else ():
+            if _is_megatron_ddp(module) or module in _chunks:
+                found.append(module)
+                break
+        else:
+            if chunk in _chunks:
+                found.append(chunk)
+    return found
+
+
+def finish_before_suspend(model=None, optimizer=None) -> list:
+    """Gather the deferred parameters now and turn the pre-hooks off; returns
+    the chunks to turn back on after the rollout (:func:`restore`)."""
+    chunks = [c for c in _ddp_chunks(model) if hooks_on(c)]
+    staged = optimizer is not None and hasattr(optimizer, "prepare_model_params_for_param_sync")
+    if chunks and staged:
+        optimizer.prepare_model_params_for_param_sync()
+    done = []
+    for chunk in chunks:
+        if _reuses_grad_buffer(chunk) and not staged:
+            continue  # cannot stage without the optimizer: deferred_groups keeps its groups
+        chunk.disable_forward_pre_hook(param_sync=True)
+        done.append(chunk)
+    if done:
+        logger.info("amem_callbacks: finished the deferred parameter all-gather of %d model "
+                    "chunk(s) before the rollout (--overlap-param-gather); their forward "
+                    "pre-hooks are off until it ends", len(done))
+    return done
+
+
+def restore(chunks) -> None:
+    """Turn back on the pre-hooks :func:`finish_before_suspend` turned off."""
+    for chunk in chunks:
+        if getattr(chunk, "use_forward_hook", False) and not hooks_on(chunk):
+            chunk.enable_forward_pre_hook()
