@@ -17,6 +17,18 @@ from tests.fake_nccl import FakeControls, build
 MiB = 2**20
 
 
+def _cuda_torch() -> bool:
+    import torch
+
+    return torch.version.cuda is not None
+
+
+# A CUDA torch maps its NCCL when imported, so "auto" finds one there: the
+# no-NCCL path can only be shown on a CPU torch.
+cpu_torch_only = pytest.mark.skipif(_cuda_torch(), reason="a CUDA torch loads NCCL on import: "
+                                                          "the no-NCCL path needs a CPU torch")
+
+
 @pytest.fixture
 def lib(fake_nccl_dir):
     return NcclLibrary.open(build("suspend", fake_nccl_dir))
@@ -116,6 +128,7 @@ def test_amem_library_that_is_not_loaded_explains_the_version_gap(fake_nccl_dir,
     assert "never put AMem in LD_PRELOAD" in err.value.fix
 
 
+@cpu_torch_only
 def test_auto_without_nccl_is_inert_with_one_warning_line():
     # A fresh process: this one has stand-in libraries mapped.
     code = ("import logging; logging.basicConfig(level=logging.INFO);"
@@ -128,7 +141,9 @@ def test_auto_without_nccl_is_inert_with_one_warning_line():
     assert "no NCCL library is loaded" in lines[0] and "pip install" in lines[0]
 
 
-def test_a_named_backend_that_cannot_work_degrades_to_unchanged_training(caplog):
+def test_a_named_backend_that_cannot_work_degrades_to_unchanged_training(caplog, monkeypatch):
+    # cuMem off makes "nccl" unusable on any machine, a GPU one with a suspend-capable NCCL too
+    monkeypatch.setenv("NCCL_CUMEM_ENABLE", "0")
     with caplog.at_level(logging.WARNING, logger="amem_callbacks"):
         backend, why, inert = select_backend("nccl", {})
     assert inert and "cannot work here" in caplog.records[-1].getMessage()
@@ -141,6 +156,7 @@ def test_loaded_finds_the_preloaded_copy_and_never_loads_one(fake_nccl_dir):
     with_preload = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                   env=dict(os.environ, LD_PRELOAD=path), check=True)
     assert with_preload.stdout.strip() == os.path.realpath(path)
+    no_preload = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}  # a GPU host's own
     without = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             check=True)
+                             env=no_preload, check=True)
     assert without.stdout.strip() == "None"

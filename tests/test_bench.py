@@ -1,20 +1,29 @@
 """The bench runs on CPU as a dry run and its report is well-formed and consistent.
-(Timings are never asserted: they are measurements, not properties.)"""
+(Timings are never asserted: they are measurements, not properties.) The run is
+asked for its CPU dry run explicitly (CUDA_VISIBLE_DEVICES=""), so this file
+means the same on a machine with a GPU."""
 
+import io
 import json
+import os
 import subprocess
 import sys
 
 import pytest
+
+from amem_callbacks.tools import bench_stages
+from amem_callbacks.tools.cli import build_parser
 
 
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     run = subprocess.run(
-        [sys.executable, "-m", "amem_callbacks.tools.cli", "bench", "--steps", "2", "--rollout-s", "0.1",
-         "--train-s", "0.02", "--guard-calls", "200", "--groups", "8", "--out", str(out)],
-        capture_output=True, text=True, timeout=600)
+        [sys.executable, "-m", "amem_callbacks.tools.cli", "bench", "--steps", "2",
+         "--rollout-s", "0.1", "--train-s", "0.02", "--guard-calls", "200", "--groups", "8", "--out", str(out),
+         "--modes", "none,naive,overlap,recreate"],
+        capture_output=True, text=True, timeout=600,
+        env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))  # the CPU dry run, GPU or not
     assert run.returncode == 0, run.stderr[-3000:]
     return run, json.load(open(out / "bench.json"))
 
@@ -23,9 +32,28 @@ def test_dry_run_says_so_and_prints_one_table(bench):
     run, _ = bench
     assert "dry run on 2 CPU processes with the noop backend" in run.stdout
     assert run.stdout.count("mean step s") == 1
-    assert " ok" not in run.stdout and "MISSED" not in run.stdout  # no verdicts on a dry run
+    assert "DRY RUN step times" in run.stdout and "DRY RUN figures" in run.stdout
+    figures = run.stdout[run.stdout.index("DRY RUN figures"):]
+    for verdict in (" ok", "MISSED", "<=", ">=", "goal "):  # no goals or verdicts on a dry run
+        assert verdict not in figures
     for figure in ("P1", "P2", "P2b", "P3", "P4", "recreate_over_overlap", "P5"):
         assert f"\n{figure} " in run.stdout
+
+
+def test_results_are_printed_before_the_file_is_written(bench):
+    run, _ = bench
+    assert run.stdout.index("DRY RUN figures") < run.stdout.index("wrote ")
+    assert "results go to " in run.stdout.split("DRY RUN")[0]  # said before the run
+
+
+def test_one_progress_line_per_stage_with_the_time_left(bench):
+    run, _ = bench
+    lines = [line for line in run.stderr.splitlines() if line.startswith("bench [")]
+    stages = 1 + 4 + 3  # bandwidth, the 4 modes, guard, caller progress, bandwidth
+    assert [line.split("]")[0] for line in lines] == [f"bench [{i}/{stages}" for i in
+                                                      range(1, stages + 1)]
+    assert all(line.endswith(" left") for line in lines[:-1]) and lines[-1].endswith("done")
+    assert "stages, about" in run.stderr
 
 
 def test_report_is_internally_consistent(bench):
@@ -35,7 +63,7 @@ def test_report_is_internally_consistent(bench):
     for mode, mean in report["mean_step_s"].items():
         assert report["extra_step_s"][mode] == pytest.approx(mean - report["mean_step_s"]["none"])
     figures = report["figures"]
-    assert set(report["goal_met"].values()) == {None}
+    assert report["goal_met"] == {} and report["goals"] == {}
     assert figures["P2"] == pytest.approx(report["extra_step_s"]["overlap"]
                                           / report["extra_step_s"]["naive"])
     assert figures["P2b"] == pytest.approx(report["begin_to_memory_free_s"]["overlap"]
@@ -62,3 +90,75 @@ def test_every_step_of_both_policy_modes_moved_the_same_groups(bench):
             actions = {name: action for name, (action, _s) in row["groups"].items()}
             assert actions.pop("tp") == "kept"
             assert len(actions) == 8 and set(actions.values()) == {"would suspend"}
+
+
+def _resolved(*argv):
+    return bench_stages.resolve(build_parser().parse_args(["bench", *argv]))
+
+
+def test_the_default_is_the_quick_run_and_full_is_the_old_sweep():
+    quick = _resolved()
+    assert (quick.modes, quick.groups, quick.steps, quick.sweep, quick.guard_calls) == (
+        ("none", "naive", "overlap"), 2, 2, [], 1200)
+    full = _resolved("--full")
+    assert (full.modes, full.groups, full.steps, full.sweep, full.guard_calls) == (
+        ("none", "naive", "overlap", "recreate"), 8, 4, [1, 2, 4, 8], 12000)
+    mixed = _resolved("--full", "--steps", "3", "--sweep", "")
+    assert (mixed.steps, mixed.sweep, mixed.groups) == (3, [], 8)  # explicit beats the preset
+
+
+def test_quick_sets_small_nccl_buffers_unless_the_user_chose_them():
+    assert bench_stages.buffer_env(False, {}) == {"NCCL_BUFFSIZE": "1048576",
+                                                  "NCCL_MAX_NCHANNELS": "4"}
+    assert bench_stages.buffer_env(False, {"NCCL_BUFFSIZE": "4194304"}) == {
+        "NCCL_MAX_NCHANNELS": "4"}
+    assert bench_stages.buffer_env(True, {}) == {}
+
+
+def test_the_quick_plan_fits_in_90_seconds_where_the_full_one_did_not(monkeypatch):
+    """Against the README's one-H200 figures: ~0.4 s per transition with small
+    buffers, 3-6 s per suspend of a 1.15 GB communicator with NCCL's defaults."""
+    monkeypatch.setenv("NCCL_BUFFSIZE", "1048576")
+    quick = sum(s for _, s in bench_stages.plan(_resolved(), on_gpu=True, workers=4))
+    assert quick < 60  # rank start-up and CUDA init come on top
+    monkeypatch.delenv("NCCL_BUFFSIZE")
+    full = sum(s for _, s in bench_stages.plan(_resolved("--full"), on_gpu=True, workers=4))
+    assert full > 300
+
+
+def test_the_time_left_follows_the_stages_that_really_ran(monkeypatch):
+    clock = iter([0.0, 10.0, 30.0, 0.0, 1.0])  # start, then each stage's end
+    monkeypatch.setattr(bench_stages.time, "monotonic", lambda: next(clock))
+    out = io.StringIO()
+    stages = bench_stages.Stages([("a", 5.0), ("b", 5.0), ("c", 10.0)], enabled=True, out=out)
+    stages.finished("a")  # took 10 s for 5 planned: twice as slow as planned
+    stages.finished("b")
+    assert out.getvalue().splitlines() == [
+        "bench: 3 stages, about 20 s (first estimate)",
+        "bench [1/3] a: 10.0 s; about 30 s left",
+        "bench [2/3] b: 20.0 s; about 30 s left"]
+    quiet = io.StringIO()
+    bench_stages.Stages([("a", 1.0)], enabled=False, out=quiet).finished("a")
+    assert quiet.getvalue() == ""
+
+
+
+def _summary(dry_run: bool, full: bool) -> dict:
+    return {"dry_run": dry_run, "mean_step_s": {"none": 1.0}, "extra_step_s": {"none": 0.0},
+            "sweep": None, "figures": {"P2": 0.05, "P4": 0.5, "P5": None},
+            "goals": {} if dry_run else {"P2": "<= 0.1", "P4": ">= 0.99", "P5": ">= 0.8"},
+            "goal_met": {} if dry_run else {"P2": True, "P4": False, "P5": None},
+            "config": {"full": full}, "ranks_per_gpu": 1}
+
+
+def test_goals_and_verdicts_appear_on_gpu_runs_only():
+    from amem_callbacks.tools.bench_report import table
+
+    real = table(_summary(dry_run=False, full=True)).splitlines()
+    assert any(line.startswith("P2 ") and "<= 0.1" in line and line.endswith(" ok")
+               for line in real)
+    assert any(line.startswith("P4 ") and line.endswith(" MISSED") for line in real)
+    assert "quick run" not in " ".join(real)
+    dry = table(_summary(dry_run=True, full=False))
+    assert "DRY RUN" in dry and "<=" not in dry and ">=" not in dry and "MISSED" not in dry
+    assert "quick run" in table(_summary(dry_run=False, full=False))

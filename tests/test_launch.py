@@ -41,8 +41,13 @@ def test_an_nccl_that_refuses_says_so_in_one_line_with_the_fix(one_gpu):
     assert "\n" not in layout.refused
 
 
-def test_without_a_gpu_the_tools_run_cpu_ranks():
+def test_without_a_gpu_the_tools_run_cpu_ranks(monkeypatch):
+    import torch
+
     from amem_callbacks.tools.launch import plan_ranks
 
+    # what a CUDA torch reports with CUDA_VISIBLE_DEVICES="", and a CPU torch always
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     layout = plan_ranks(None)
     assert layout.gpus == 0 and layout.ranks == 2 and not layout.on_gpu and not layout.refused

@@ -1,5 +1,8 @@
 """``amem-callbacks bench``: what offloading costs a synthetic RL loop, in one run.
 
+Quick by default, ``--full`` for the whole sweep (the presets and the progress
+lines are in bench_stages.py).
+
 Each step is a rollout (compute only, for ``rollout_s``; the kept "tp" group
 still runs a collective) followed by a training phase (compute for ``train_s``,
 then a gradient all-reduce on "dp" and a small all-reduce on every other
@@ -40,7 +43,6 @@ import json
 import os
 import socket
 import statistics
-import sys
 import threading
 import time
 
@@ -54,23 +56,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-class Progress:
-    """A one-line progress bar on stderr (rank 0 only)."""
-
-    def __init__(self, total: int, enabled: bool):
-        self.total, self.done, self.enabled = total, 0, enabled
-
-    def step(self, label: str) -> None:
-        self.done += 1
-        if self.enabled:
-            filled = int(30 * self.done / self.total)
-            sys.stderr.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} "
-                             f"{label:<28}")
-            sys.stderr.flush()
-            if self.done == self.total:
-                sys.stderr.write("\n")
 
 
 class MemorySampler:
@@ -187,22 +172,23 @@ class Loop:
             name_group(self.groups[name], name)
             self.dist.all_reduce(self.small, group=self.groups[name])  # creates the comm
 
-    def bus_bandwidth(self, windows: int = 7, iters: int = 20) -> float:
+    def bus_bandwidth(self, windows: int = 7) -> float:
         """All-reduce bus bandwidth (GB/s) on dp, NCCL's definition; the median
         of several timed windows, so one slow window does not decide P4."""
         torch = self.torch
         group = self.groups.get("dp", self.dist.group.WORLD)
-        x = torch.ones((256 if self.use_cuda else 4) * 2**18, device=self.device)
+        x = torch.ones((self.args.bandwidth_mib if self.use_cuda else 4) * 2**18,
+                       device=self.device)
         for _ in range(5):
             self.dist.all_reduce(x, group=group)
         per_call = []
         for _ in range(windows):
             self.synchronize()
             start = time.perf_counter()
-            for _ in range(iters):
+            for _ in range(self.args.bandwidth_iters):
                 self.dist.all_reduce(x, group=group)
             self.synchronize()
-            per_call.append((time.perf_counter() - start) / iters)
+            per_call.append((time.perf_counter() - start) / self.args.bandwidth_iters)
         seconds = statistics.median(per_call)
         return x.numel() * x.element_size() / seconds * 2 * (self.world - 1) / self.world / 1e9
 
@@ -222,7 +208,7 @@ def _gpu_free(loop: Loop):
     return loop.torch.cuda.mem_get_info()[0] if loop.use_cuda else None
 
 
-def _run_mode(loop: Loop, mode: str, policy, sampler, progress, reports: dict) -> tuple:
+def _run_mode(loop: Loop, mode: str, policy, sampler, reports: dict) -> tuple:
     """Step times, and per step where the time went on the caller's thread:
     begin call, rollout, end call, training collectives (compute is fixed)."""
     steps, parts = [], []
@@ -255,14 +241,13 @@ def _run_mode(loop: Loop, mode: str, policy, sampler, progress, reports: dict) -
         steps.append(time.perf_counter() - start)
         parts.append({"begin_call": begun - start, "rollout": rolled - begun,
                       "end_call": ended - rolled, "train_collectives": collectives})
-        progress.step(f"{mode} step {step + 1}/{loop.args.steps}")
     if policy is not None:
         policy.wait()
     sampler.phase = "idle"
     return steps, parts
 
 
-def _sweep(loop: Loop, backend: str, progress) -> dict:
+def _sweep(loop: Loop, backend: str, stages) -> dict:
     """Transition time of a whole batch with 1..8 worker threads (no rollout)."""
     from amem_callbacks import OffloadPolicy
 
@@ -277,7 +262,7 @@ def _sweep(loop: Loop, backend: str, progress) -> dict:
             loop.dist.barrier(group=loop.sync)
             ends.append(policy.end("rollout").wall_seconds)
         out[str(workers)] = {"begin_s": min(begins), "end_s": min(ends)}
-        progress.step(f"sweep workers={workers}")
+        stages.finished(f"sweep workers={workers}")
     return out
 
 
@@ -351,7 +336,8 @@ def run_rank(args, rank: int, world: int, use_cuda: bool) -> dict:
 
     from amem_callbacks import OffloadPolicy
 
-    from .launch import local_device
+    from .bench_stages import Stages, plan
+    from .launch import gather_ints, local_device
 
     if use_cuda:
         torch.cuda.set_device(local_device(int(os.environ.get("LOCAL_RANK", rank))))
@@ -360,11 +346,12 @@ def run_rank(args, rank: int, world: int, use_cuda: bool) -> dict:
     loop.shared_gpu = use_cuda and world > torch.cuda.device_count()
     backend = args.backend or ("nccl" if use_cuda else "noop")
     sampler = MemorySampler(torch.cuda.current_device() if use_cuda else None).start()
-    total = len(args.modes) * args.steps + len(args.sweep) + 2
-    progress = Progress(total, enabled=rank == 0)
+    stages = Stages(plan(args, use_cuda, args.workers or _best_workers(None)),
+                    enabled=rank == 0)
     result = {"bandwidth_before_GBps": loop.bus_bandwidth()}
+    stages.finished("bandwidth before")
     if args.sweep:
-        result["sweep"] = _sweep(loop, backend, progress)
+        result["sweep"] = _sweep(loop, backend, stages)
     workers = args.workers or _best_workers(result.get("sweep"))
     result["overlap_workers"] = workers
     modes = {}
@@ -375,27 +362,27 @@ def run_rank(args, rank: int, world: int, use_cuda: bool) -> dict:
                                    workers=workers if mode == "overlap" else 1,
                                    learn_keep=mode != "touch-nolearn", groups=loop.all_groups())
         reports = {}
-        steps, parts = _run_mode(loop, mode, policy, sampler, progress, reports)
+        steps, parts = _run_mode(loop, mode, policy, sampler, reports)
         gpu_freed = reports.pop("gpu_freed", None)
         modes[mode] = {"step_s": steps, "parts_s": parts, "reports": {
             kind: [_report_row(r) for r in rs] for kind, rs in reports.items()}}
         if gpu_freed is not None:  # every rank's NCCL bytes, for P1 on a shared GPU
-            nccl = [None] * world
-            dist.all_gather_object(nccl, [r.nccl_bytes for r in reports["begin"]],
-                                   group=loop.sync)
+            nccl = gather_ints([r.nccl_bytes for r in reports["begin"]], loop.sync)
             modes[mode]["gpu_freed"] = gpu_freed
             modes[mode]["nccl_bytes_all_ranks"] = [sum(step) for step in zip(*nccl)]
         if policy is not None:
-            modes[mode]["auto_resumes"] = policy.counters.auto_resumes
+            modes[mode]["auto_resumes"] = getattr(policy.counters, "auto_resumes", None)
             modes[mode]["learned"] = policy.learned.by_phase()
+        stages.finished(f"mode {mode} ({args.steps} steps)")
 
     result["modes"] = modes
     result["guard"] = _guard_overhead(loop, backend, args.guard_calls)
-    progress.step("guard overhead")
+    stages.finished("guard overhead (P3)")
     result["caller_progress"] = _caller_progress(loop, backend, workers)
-    progress.step("caller-thread progress")
+    stages.finished("caller-thread progress (P5)")
     result["ranks_per_gpu"] = (-(-world // torch.cuda.device_count())) if use_cuda else 0
     result["bandwidth_after_GBps"] = loop.bus_bandwidth()
+    stages.finished("bandwidth after")
     dist.barrier(group=loop.sync)
     result["timeline"] = sampler.stop()
     result["backend"] = backend
@@ -406,7 +393,7 @@ def run_rank(args, rank: int, world: int, use_cuda: bool) -> dict:
 
 def _best_workers(sweep) -> int:
     if not sweep:
-        from amem_callbacks.policy import DEFAULT_WORKERS
+        from amem_callbacks.options import DEFAULT_WORKERS
 
         return DEFAULT_WORKERS
     return int(min(sweep, key=lambda w: sweep[w]["begin_s"] + sweep[w]["end_s"]))
@@ -432,11 +419,15 @@ def _worker(rank: int, world: int, port: int, args, use_cuda: bool, out_path: st
 
 
 def main(args) -> int:
+    """``args`` as the CLI leaves them: presets resolved, ``args.out`` checked writable."""
+    import shutil
     import tempfile
 
     from .bench_report import summarise, write_outputs
+    from .bench_stages import buffer_env
+    from .launch import plan_ranks, quiet_missing_numpy
 
-    from .launch import plan_ranks
+    quiet_missing_numpy()
 
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     layout = plan_ranks(int(os.environ["WORLD_SIZE"]) if torchrun else args.ranks)
@@ -445,13 +436,22 @@ def main(args) -> int:
         return 1
     use_cuda = layout.on_gpu
     if not use_cuda:
-        print("amem-callbacks bench: no GPU here, so this is a dry run on 2 CPU processes "
-              "with the noop backend; the figures are not GPU figures and no goal is graded.")
+        print(f"amem-callbacks bench: no GPU here, so this is a dry run on {layout.ranks} CPU "
+              "processes with the noop backend; the figures are not GPU figures and no goal "
+              "is graded.")
         args.sweep = []
     else:
         print(f"amem-callbacks bench: {layout.describe()}")
-    os.environ.update(layout.env)
-    raw_path = os.path.join(tempfile.mkdtemp(prefix="amem-bench-"), "rank0.json")
+    print(f"  {'full' if args.full else 'quick (--full for the whole sweep)'}: modes "
+          f"{','.join(args.modes)}, {args.groups} groups, {args.steps} steps per mode, "
+          f"worker sweep {','.join(map(str, args.sweep)) or 'none'}")
+    buffers = buffer_env(args.full) if use_cuda else {}
+    if buffers:
+        print("  small NCCL buffers, so transitions take ~0.4 s: " + " ".join(
+            f"{k}={v}" for k, v in buffers.items()) + " (set them yourself, or --full, for "
+            "NCCL's defaults)")
+    print(f"  results go to {os.path.join(args.out, 'bench.json')}", flush=True)
+    os.environ.update(layout.env, **buffers)  # inherited by the rank processes
     if torchrun:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         raw = run_rank(args, rank, world, use_cuda)
@@ -461,10 +461,15 @@ def main(args) -> int:
         import torch.multiprocessing as mp
 
         world = layout.ranks
-        mp.start_processes(_worker, args=(world, _free_port(), args, use_cuda, raw_path),
-                           nprocs=world, start_method="spawn")
-        with open(raw_path) as f:
-            raw = json.load(f)
+        scratch = tempfile.mkdtemp(prefix="amem-bench-raw-")  # rank 0 hands its figures over
+        try:
+            raw_path = os.path.join(scratch, "rank0.json")
+            mp.start_processes(_worker, args=(world, _free_port(), args, use_cuda, raw_path),
+                               nprocs=world, start_method="spawn")
+            with open(raw_path) as f:
+                raw = json.load(f)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
     summary = summarise(raw, args, world, dry_run=not use_cuda)
     write_outputs(summary, raw, args.out)
     return 0

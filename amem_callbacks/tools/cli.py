@@ -1,15 +1,29 @@
-"""The ``amem-callbacks`` command: doctor, demo, bench."""
+"""The ``amem-callbacks`` command (also ``python -m amem_callbacks``): doctor, demo, bench.
+
+Parsing imports no torch: ``--version``, ``--help`` and a bad option answer at once.
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
+import tempfile
+import time
+
+from .. import __version__
+
+MIN_RANKS = 2  # a 1-rank communicator has no peer buffers to free
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .bench_stages import FULL, QUICK
+
     parser = argparse.ArgumentParser(
         prog="amem-callbacks",
         description="Free idle NCCL communicator memory during RL rollout.")
+    parser.add_argument("--version", action="version", version=f"amem-callbacks {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     doctor = sub.add_parser("doctor", help="check torch, NCCL, cuMem and AMem; say what to fix "
                                            "(exit status 1: training would run unchanged)")
@@ -18,74 +32,149 @@ def build_parser() -> argparse.ArgumentParser:
                         help="AMem's patched libnccl.so.2, to check it against this torch")
     doctor.add_argument("--no-probe", action="store_true",
                         help="skip the real suspend/resume of a 1-rank communicator on GPU 0")
+
     demo = sub.add_parser("demo", help="a small train/rollout loop on the local GPUs, several "
                                        "ranks per GPU where NCCL allows (2 CPU processes, dry "
                                        "run, without GPUs)")
-    demo.add_argument("--steps", type=_positive_int, default=5)
-    demo.add_argument("--ranks", type=_ranks, default=None,
-                      help="ranks to start (default: one per GPU, at least 2; more ranks than "
-                           "GPUs share them, NCCL >= 2.30)")
-    demo.add_argument("--rollout-s", type=float, default=0.5)
+    demo.add_argument("--steps", type=positive_int, default=5,
+                      help="train/rollout steps (default 5)")
+    _ranks_option(demo)
+    demo.add_argument("--rollout-s", type=positive_seconds, default=0.5, metavar="SECONDS",
+                      help="compute time of each rollout, while the idle groups are suspended "
+                           "(default 0.5)")
     demo.add_argument("--backend", choices=("auto", "nccl", "amem", "noop"), default=None,
                       help="default: auto on GPUs, noop on CPU")
-    bench = sub.add_parser("bench", help="measure suspend/resume cost in a synthetic RL loop "
-                                         "on all local GPUs (or under torchrun)")
-    bench.add_argument("--ranks", type=_ranks, default=None,
-                       help="ranks to start (default: one per GPU, at least 2)")
-    bench.add_argument("--groups", type=_positive_int, default=8,
-                       help="process groups to suspend (Megatron-like roles), default 8")
-    bench.add_argument("--steps", type=_positive_int, default=4, help="steps per mode")
-    bench.add_argument("--rollout-s", type=float, default=2.0)
-    bench.add_argument("--train-s", type=float, default=0.5)
-    bench.add_argument("--grad-mib", type=_positive_int, default=64)
-    bench.add_argument("--modes", type=_modes, default=("none", "naive", "overlap", "recreate"),
-                       help="comma list of none,naive,overlap,recreate,touch,touch-nolearn "
-                            "(default: none,naive,overlap,recreate)")
-    bench.add_argument("--workers", type=_positive_int, default=None,
-                       help="threads per transition in overlap mode (default: best of --sweep)")
-    bench.add_argument("--sweep", type=_int_list, default=[1, 2, 4, 8],
-                       help="worker counts to time a whole transition with, e.g. 1,4,8")
-    bench.add_argument("--guard-calls", type=_positive_int, default=12000,
-                       help="small collectives per side for P3, in 24 alternating blocks")
-    bench.add_argument("--backend", choices=("nccl", "amem", "noop"), default=None)
-    bench.add_argument("--out", default="bench-results")
+    demo.add_argument("--out", metavar="DIR", default=None,
+                      help="folder for demo.json, the full metrics (default: a new folder "
+                           "under the system temp folder)")
+
+    bench = sub.add_parser(
+        "bench", help="measure suspend/resume cost in a synthetic RL loop on all local GPUs "
+                      "(or under torchrun); quick by default, --full for the whole sweep",
+        description="Quick by default (about 40 s on one GPU): fewer modes, steps and groups, no "
+                    "worker sweep, and small NCCL buffers (NCCL_BUFFSIZE=1 MiB, "
+                    "NCCL_MAX_NCHANNELS=4, unless already set) so transitions take ~0.4 s. "
+                    "--full runs the whole sweep with NCCL's default buffers (minutes). "
+                    "Options given explicitly override either.")
+    bench.add_argument("--full", action="store_true",
+                       help="the full sweep: every default mode, more steps and groups, worker "
+                            "sweep, NCCL's default buffers (several minutes on one GPU)")
+    _ranks_option(bench)
+    bench.add_argument("--groups", type=positive_int, default=None,
+                       help=f"process groups to suspend, Megatron-like roles (quick "
+                            f"{QUICK['groups']}, full {FULL['groups']})")
+    bench.add_argument("--steps", type=positive_int, default=None,
+                       help=f"steps per mode (quick {QUICK['steps']}, full {FULL['steps']})")
+    bench.add_argument("--rollout-s", type=positive_seconds, default=None, metavar="SECONDS",
+                       help=f"compute time of each rollout (quick {QUICK['rollout_s']}, full "
+                            f"{FULL['rollout_s']})")
+    bench.add_argument("--train-s", type=positive_seconds, default=None, metavar="SECONDS",
+                       help=f"compute time of each training phase, before its collectives "
+                            f"(quick {QUICK['train_s']}, full {FULL['train_s']})")
+    bench.add_argument("--grad-mib", type=positive_int, default=None, metavar="MIB",
+                       help=f"size of the gradient all-reduce on 'dp' each step (quick "
+                            f"{QUICK['grad_mib']}, full {FULL['grad_mib']})")
+    bench.add_argument("--modes", type=mode_list, default=None,
+                       help="comma list of none,naive,overlap,recreate,touch,touch-nolearn; "
+                            f"none is required (quick {','.join(QUICK['modes'])}; full "
+                            f"{','.join(FULL['modes'])})")
+    bench.add_argument("--workers", type=positive_int, default=None,
+                       help="threads per transition in overlap mode (default: best of --sweep, "
+                            "or the policy's default without a sweep)")
+    bench.add_argument("--sweep", type=int_list, default=None,
+                       help="worker counts to time a whole transition with, e.g. 1,4,8; empty "
+                            "for none (quick: none; full 1,2,4,8)")
+    bench.add_argument("--guard-calls", type=positive_int, default=None,
+                       help=f"small collectives per side for P3, in 24 alternating blocks "
+                            f"(quick {QUICK['guard_calls']}, full {FULL['guard_calls']})")
+    bench.add_argument("--backend", choices=("nccl", "amem", "noop"), default=None,
+                       help="default: nccl on GPUs, noop on CPU (a dry run)")
+    bench.add_argument("--out", metavar="DIR", default=None,
+                       help="folder for bench.json and the memory plot (default: a new folder "
+                            "under the system temp folder; the run says where)")
     return parser
 
 
-def _modes(text: str) -> tuple:
+def _ranks_option(parser) -> None:
+    parser.add_argument("--ranks", type=ranks, default=None,
+                        help=f"ranks to start, >= {MIN_RANKS} (default: one per GPU, at least "
+                             f"{MIN_RANKS}; more ranks than GPUs share them, NCCL >= 2.30)")
+
+
+# argparse names a failing type function in its message ("invalid _ranks value"),
+# unless it raises ArgumentTypeError: each one below says what it wants instead.
+
+def ranks(text: str) -> int:
+    value = _int_or_none(text)
+    if value is None or value < MIN_RANKS:
+        raise argparse.ArgumentTypeError(
+            f"a whole number of ranks >= {MIN_RANKS} (a 1-rank communicator has no peer "
+            f"buffers to free), got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    value = _int_or_none(text)
+    if value is None or value < 1:
+        raise argparse.ArgumentTypeError(f"a whole number >= 1, got {text!r}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"a number of seconds > 0, got {text!r}")
+    return value
+
+
+def int_list(text: str) -> list:
+    values = [_int_or_none(v) for v in text.split(",") if v.strip()]
+    if any(v is None or v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"a comma list of whole numbers >= 1, e.g. 1,4,8; "
+                                         f"got {text!r}")
+    return values
+
+
+def mode_list(text: str) -> tuple:
     from .bench import MODES
 
     modes = tuple(m.strip() for m in text.split(",") if m.strip())
     unknown = [m for m in modes if m not in MODES]
     if unknown or "none" not in modes:
         raise argparse.ArgumentTypeError(
-            f"modes are a comma list of {', '.join(MODES)} and must include 'none' (the baseline)")
+            f"a comma list of {', '.join(MODES)} that includes 'none' (the baseline), "
+            f"got {text!r}")
     return modes
 
 
-def _int_list(text: str) -> list:
+def _int_or_none(text: str):
     try:
-        values = [int(v) for v in text.split(",") if v.strip()]
+        return int(text.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"a comma list of integers, e.g. 1,4,8; got {text!r}")
-    if any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError("worker counts must be >= 1")
-    return values
+        return None
 
 
-def _ranks(text: str) -> int:
-    value = _positive_int(text)
-    if value < 2:
-        raise argparse.ArgumentTypeError("at least 2 ranks: a 1-rank communicator has no peer "
-                                         "buffers to free")
-    return value
+def output_folder(requested, tool: str) -> str:
+    """Where a tool writes its files: --out, else a new folder under the system
+    temp folder (never the working folder, which a quick try should not litter)."""
+    if requested:
+        return requested
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return os.path.join(tempfile.gettempdir(), f"amem-{tool}-{stamp}")
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def unwritable(folder: str):
+    """Why ``folder`` cannot take the results, or None; checked before minutes of work."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".amem-write-check-"):
+            pass
+    except OSError as exc:
+        return f"cannot write to --out {folder}: {exc.strerror or exc}"
+    return None
 
 
 def main(argv=None) -> int:
@@ -95,15 +184,21 @@ def main(argv=None) -> int:
 
         return doctor_main(as_json=args.json, amem_library=args.amem_library,
                            probe=not args.no_probe)
+    args.out = output_folder(args.out, args.command)
+    why = unwritable(args.out)
+    if why:
+        print(f"amem-callbacks {args.command}: {why}", file=sys.stderr)
+        return 2
     if args.command == "demo":
         from .demo import main as demo_main
 
         return demo_main(steps=args.steps, rollout_s=args.rollout_s, backend=args.backend,
-                         ranks=args.ranks)
+                         ranks=args.ranks, out=args.out)
     if args.command == "bench":
         from .bench import main as bench_main
+        from .bench_stages import resolve
 
-        return bench_main(args)
+        return bench_main(resolve(args))
     return 2
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
 import time
 
 
@@ -21,14 +22,14 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, steps: int, rollout_s: float, backend: str,
-            use_cuda: bool) -> None:
+            use_cuda: bool, out: str) -> None:
     import logging
 
     import torch
     import torch.distributed as dist
 
     from amem_callbacks import OffloadPolicy, name_group
-    from amem_callbacks.tools.launch import local_device
+    from amem_callbacks.tools.launch import gather_ints, local_device
 
     logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(message)s")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -62,8 +63,7 @@ def _worker(rank: int, world: int, port: int, steps: int, rollout_s: float, back
         free_before = _gpu_free(sync, use_cuda)
         begin = policy.begin("rollout")
         freed = _gpu_free(sync, use_cuda) - free_before if use_cuda else None
-        nccl_all = [None] * world  # every rank's own NCCL bytes (NCCL's stats)
-        dist.all_gather_object(nccl_all, begin.nccl_bytes, group=sync)
+        nccl_all = [r[0] for r in gather_ints([begin.nccl_bytes], sync)]  # NCCL's own stats
         t0 = time.monotonic()
         a = torch.randn(1024, 1024, device=device)
         while time.monotonic() - t0 < rollout_s:  # "generation": compute only
@@ -72,7 +72,11 @@ def _worker(rank: int, world: int, port: int, steps: int, rollout_s: float, back
         end = policy.end("rollout")
         rows.append((step, loss.item(), begin, end, nccl_all, freed))
     if rank == 0:
-        _print_table(rows, policy, world)
+        from .demo_report import print_table, summary, write_json
+
+        print_table(rows, policy)
+        path = write_json(out, rows, policy, world)
+        print(summary(rows, policy, path))
     dist.barrier(group=sync)
     dist.destroy_process_group()
 
@@ -89,33 +93,13 @@ def _gpu_free(sync, use_cuda: bool):
     return torch.cuda.mem_get_info()[0]
 
 
-def _print_table(rows, policy, world: int) -> None:
-    mib = 2**20
-    shared = rows[-1][2].device_shared_by if rows else 1
-    print(f"\nbackend: {policy.backend.name if policy.backend else 'none'}"
-          f"{' (inert: ' + policy.backend_description + ')' if policy.inert else ''}")
-    if shared > 1:
-        print(f"{shared} ranks share GPU 0: 'GPU freed' is the whole device (all {shared} "
-              "ranks' buffers), 'NCCL' is each rank's own, from NCCL's stats")
-    print(f"{'step':>4}  {'loss':>8}  {'suspended / would':<24}  {'NCCL MiB rank 0':>15}  "
-          f"{'NCCL MiB all':>12}  {'GPU freed MiB':>13}  {'begin s':>7}  {'end s':>6}")
-    for step, loss, begin, end, nccl_all, freed in rows:
-        moved = [g.name for g in begin.groups if g.action in ("suspended", "would suspend")]
-        gpu_freed = f"{freed / mib:>13.0f}" if freed is not None else f"{'-':>13}"
-        print(f"{step:>4}  {loss:>8.4f}  {','.join(moved) or begin.skipped or '-':<24}  "
-              f"{begin.nccl_bytes / mib:>15.0f}  {sum(nccl_all) / mib:>12.0f}  {gpu_freed}  "
-              f"{begin.wall_seconds:>7.3f}  {end.wall_seconds:>6.3f}")
-    kept = {g.name: g.reason for g in rows[-1][2].kept}
-    if kept:
-        print("kept active: " + "; ".join(f"{k} ({v})" for k, v in kept.items()))
-    print(f"totals: {policy.counters.as_dict()}")
-
-
 def main(steps: int = 5, rollout_s: float = 0.5, backend: str = None,
-         ranks: int = None) -> int:
-    import torch.multiprocessing as mp
+         ranks: int = None, out: str = None) -> int:
+    """``out``: the folder for demo.json (the CLI checked it is writable)."""
+    from .launch import plan_ranks, quiet_missing_numpy
 
-    from .launch import plan_ranks
+    quiet_missing_numpy()
+    import torch.multiprocessing as mp
 
     layout = plan_ranks(ranks)
     if layout.refused:
@@ -128,6 +112,7 @@ def main(steps: int = 5, rollout_s: float = 0.5, backend: str = None,
     where = layout.describe() if use_cuda else (
         f"{world} CPU processes, gloo (dry run: no GPU here)")
     print(f"amem-callbacks demo: {where}, backend {backend!r}, {steps} steps")
-    mp.start_processes(_worker, args=(world, _free_port(), steps, rollout_s, backend, use_cuda),
-                       nprocs=world, start_method="spawn")
+    out = out or tempfile.mkdtemp(prefix="amem-demo-")
+    mp.start_processes(_worker, args=(world, _free_port(), steps, rollout_s, backend, use_cuda,
+                                      out), nprocs=world, start_method="spawn")
     return 0

@@ -1,4 +1,5 @@
-"""How many ranks to start on the GPUs this machine has, and on which device each.
+"""How many ranks the tools start on the GPUs this machine has, on which device
+each, and how their rank processes hand each other small figures.
 
 NCCL >= 2.30 runs several ranks of one communicator on one GPU when
 ``NCCL_MULTI_RANK_GPU_ENABLE=1`` (measured on one H200: 2 and 8 ranks, every
@@ -10,11 +11,42 @@ same device, and the ranks' transitions compete for it).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
 MULTI_RANK_MIN_VERSION = (2, 30, 0)
 MULTI_RANK_ENV = {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}
+
+
+def gather_ints(values: list, group) -> list:
+    """Collective over ``group``: every rank's list of ints (same length on all).
+
+    Plain int64 tensors, not ``all_gather_object``: torch's object collectives
+    need numpy, which a fresh ``pip install torch`` does not bring."""
+    import torch
+    import torch.distributed as dist
+
+    mine = torch.tensor(list(values), dtype=torch.int64)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    return [t.tolist() for t in everyone]
+
+
+_NUMPY_WARNING = "Failed to initialize NumPy"
+
+
+def quiet_missing_numpy() -> None:
+    """Before torch is imported: without numpy (a fresh ``pip install torch``) torch
+    warns about it in every process, though the tools do not need it. The rule
+    goes into PYTHONWARNINGS too, for the rank processes torch starts."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=_NUMPY_WARNING, category=UserWarning)
+    rule = f"ignore:{_NUMPY_WARNING}:UserWarning"
+    current = os.environ.get("PYTHONWARNINGS", "")
+    if rule not in current:
+        os.environ["PYTHONWARNINGS"] = f"{current},{rule}" if current else rule
 
 
 def local_device(local_rank: int) -> int:

@@ -188,9 +188,11 @@ if __name__ == "__main__":
     else:
         import argparse
 
+        from amem_callbacks.tools.cli import ranks  # the same rule as the amem-callbacks tools
+
         parser = argparse.ArgumentParser()
         parser.add_argument("out")
-        parser.add_argument("--ranks", type=int, default=8)
+        parser.add_argument("--ranks", type=ranks, default=8)
         parser.add_argument("--ranks-per-node", type=int, default=1)
         a = parser.parse_args()
         sys.exit(driver(a.out, a.ranks, a.ranks_per_node))

@@ -16,6 +16,14 @@ control and compare them. Preload a suspend-capable NCCL first, e.g.
 ``--small-buffers`` sets NCCL_BUFFSIZE=1 MiB and NCCL_MAX_NCHANNELS=4 for the
 functional suites: the behaviour is the same, the transitions of several
 ranks on one GPU much shorter (fewer and smaller buffers to copy).
+
+A suite passes only when its process exits 0 and its JSON (if it writes one)
+does not say ``"ok": false``; a non-zero exit or a timeout fails it whatever
+its JSON says. A skipped suite is listed as SKIP, never as passed.
+
+Exit status: 0 every chosen suite ran and passed; 1 a suite failed (or hung);
+3 none failed but some were skipped (see summary.json's "skipped"); 2 nothing
+could run (no GPU, ranks refused, a bad option).
 """
 
 from __future__ import annotations
@@ -55,7 +63,8 @@ def suites(ranks: int, out: str, cycles: int) -> dict:
         "demo": ([py, "-m", "amem_callbacks.tools.cli", "demo", "--ranks", str(ranks),
                   "--steps", "3"], None, None),
         "bench_touch": ([py, "-m", "amem_callbacks.tools.cli", "bench", "--ranks", str(ranks),
-                         "--groups", "4", "--steps", "3", "--rollout-s", "2", "--train-s", "0.5",
+                         "--full", "--groups", "4", "--steps", "3", "--rollout-s", "2",
+                         "--train-s", "0.5",
                          "--modes", "none,touch,touch-nolearn", "--sweep", "",
                          "--guard-calls", "2400", "--out", os.path.join(out, "bench_touch")],
                         None, os.path.join(out, "bench_touch", "bench.json")),
@@ -82,8 +91,56 @@ def _missing(needs) -> object:
     if needs.startswith("."):
         return None if os.path.isdir(os.path.join(ROOT, needs)) else \
             f"{needs} is not here (make it with tests/gpu/bundle_*.sh and carry it)"
-    return None if importlib.util.find_spec(needs.split(".")[0]) else \
-        f"{needs} is not installed here"
+    return None if _safe_find_spec(needs) else f"{needs} is not installed here"
+
+
+EXIT_PASSED, EXIT_FAILED, EXIT_NOT_RUN, EXIT_SKIPPED = 0, 1, 2, 3
+
+
+def _safe_find_spec(name: str):
+    """find_spec that says None for "a.b" when "a" is missing (it raises there)."""
+    try:
+        return importlib.util.find_spec(name)
+    except ModuleNotFoundError:
+        return None
+
+
+def judge(exit_code, verdict) -> bool:
+    """A suite passed: its process exited 0 and its JSON, if any, does not say it failed."""
+    return exit_code == 0 and verdict is not False
+
+
+def status_of(row: dict) -> str:
+    return "SKIP" if row.get("skipped") else "PASS" if row.get("ok") else "FAIL"
+
+
+def exit_status(rows: dict) -> int:
+    """See the module docstring: failed beats skipped beats passed."""
+    states = {status_of(row) for row in rows.values()}
+    if "FAIL" in states:
+        return EXIT_FAILED
+    return EXIT_SKIPPED if "SKIP" in states else EXIT_PASSED
+
+
+def run_suite(command: list, result, env: dict, timeout: int, runner=None) -> dict:
+    """One suite's row: exit code, output tail, seconds, ok (``runner``: subprocess.run)."""
+    row = {"command": " ".join(command)}
+    if result and os.path.exists(result):
+        os.remove(result)  # an earlier run's verdict must not stand in for this one's
+    start = time.monotonic()
+    try:
+        run = (runner or subprocess.run)(command, cwd=ROOT, env=env, capture_output=True,
+                                         text=True, timeout=timeout)
+        row.update(exit_code=run.returncode, tail=(run.stdout + run.stderr)[-3000:],
+                   stdout=run.stdout)
+    except subprocess.TimeoutExpired as exc:
+        row.update(exit_code=None, hung_past_s=timeout, tail=str(exc.stdout or "")[-2000:])
+    row["seconds"] = round(time.monotonic() - start, 1)
+    verdict = _verdict(result)
+    if verdict is not None:
+        row["json_ok"] = verdict
+    row["ok"] = judge(row["exit_code"], verdict)
+    return row
 
 
 def _verdict(path) -> object:
@@ -97,12 +154,20 @@ def _verdict(path) -> object:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--ranks", type=int, default=None)
+    from amem_callbacks.tools.cli import ranks
+
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="exit status: 0 all chosen suites ran and passed; 1 a suite failed; 3 none "
+               "failed but some were skipped; 2 nothing could run")
+    parser.add_argument("--out", required=True, help="folder for each suite's JSON and "
+                                                     "summary.json")
+    parser.add_argument("--ranks", type=ranks, default=None,
+                        help="ranks per suite (default: one per GPU, at least 2)")
     parser.add_argument("--only", default="", help="comma list of suites (default: all)")
     parser.add_argument("--cycles", type=int, default=5, help="core suite's begin/end cycles")
-    parser.add_argument("--small-buffers", action="store_true")
+    parser.add_argument("--small-buffers", action="store_true",
+                        help="NCCL_BUFFSIZE=1 MiB, NCCL_MAX_NCHANNELS=4: shorter transitions")
     parser.add_argument("--timeout", type=int, default=900, help="per suite, seconds")
     args = parser.parse_args(argv)
 
@@ -114,7 +179,7 @@ def main(argv=None) -> int:
     layout = plan_ranks(args.ranks)
     if layout.refused or not layout.on_gpu:
         print(layout.refused or "no GPU here: the GPU suite needs CUDA")
-        return 2
+        return EXIT_NOT_RUN
     os.makedirs(args.out, exist_ok=True)
     env = dict(os.environ, **layout.env, AMEM_GPU_QUICK="1" if layout.ranks_per_gpu > 1 else "0",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -124,7 +189,7 @@ def main(argv=None) -> int:
     chosen = [n for n in args.only.split(",") if n] or list(table)
     unknown = sorted(set(chosen) - set(table))
     if unknown:
-        raise SystemExit(f"unknown suite(s) {unknown}: choose from {sorted(table)}")
+        parser.error(f"unknown suite(s) {unknown}: choose from {sorted(table)}")
     lib = NcclLibrary.loaded()
     summary = {"command": "python -m tests.gpu.run_all " + " ".join(sys.argv[1:] if argv is None
                                                                     else argv),
@@ -137,30 +202,24 @@ def main(argv=None) -> int:
                "suites": {}}
     for name in chosen:
         command, needs, result = table[name]
-        row = {"command": " ".join(command)}
         why_not = _missing(needs)
         if why_not:
-            row.update(ok=None, skipped=why_not)
+            row = {"command": " ".join(command), "ok": None, "skipped": why_not}
         else:
-            start = time.monotonic()
-            try:
-                run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
-                                     timeout=args.timeout)
-                row.update(exit_code=run.returncode, tail=(run.stdout + run.stderr)[-3000:])
-            except subprocess.TimeoutExpired as exc:
-                row.update(exit_code=None, hung_past_s=args.timeout,
-                           tail=str(exc.stdout or "")[-2000:])
-            row["seconds"] = round(time.monotonic() - start, 1)
-            verdict = _verdict(result)
-            row["ok"] = (row.get("exit_code") == 0) if verdict is None else bool(verdict)
-            if name == "doctor" and row.get("exit_code") is not None:
-                row["doctor"] = json.loads(run.stdout) if run.stdout.strip() else None
+            row = run_suite(command, result, env, args.timeout)
+            stdout = row.pop("stdout", "")
+            if name == "doctor":
+                try:
+                    row["doctor"] = json.loads(stdout)
+                except ValueError:
+                    row["doctor"] = None
         summary["suites"][name] = row
-        print(f"{name:22} {'PASS' if row['ok'] else 'n/a' if row['ok'] is None else 'FAIL'}"
-              f"  {row.get('seconds', 0):7.1f} s", flush=True)
+        summary["skipped"] = sorted(n for n, r in summary["suites"].items() if r.get("skipped"))
+        print(f"{name:22} {status_of(row)}  {row.get('seconds', 0):7.1f} s"
+              + (f"  ({row['skipped']})" if row.get("skipped") else ""), flush=True)
         with open(os.path.join(args.out, "summary.json"), "w") as f:
             json.dump(summary, f, indent=1, default=str)
-    return 0 if all(r["ok"] is not False for r in summary["suites"].values()) else 1
+    return exit_status(summary["suites"])
 
 
 if __name__ == "__main__":
