@@ -326,3 +326,249 @@ def args_provider(args):
             "tensorboard_steps": sorted({s for _, _, s in tensorboard.scalars}),
             "tensorboard_names": len(tensorboard.scalars),
             "wandb_calls": None if wandb is None else len(wandb.logged)}
+
+
+# --- Megatron-LM's RL loop seam, the deferred parameter gather, the KV growth ---
+LOOP_SOURCE = '''
+"""Stand-in for Megatron-LM's megatron/rl/rl_utils.py: the shape of
+get_environment_rollouts at core_r0.19.0 (launch on the first call, the
+interface's resume/suspend around generation, the rollouts' broadcast on the
+default group right after)."""
+import torch
+import torch.distributed as dist
+
+from megatron.rl.inference.megatron import MegatronLocal
+
+_INFERENCE_INTERFACE = None
+EVENTS = []
+
+
+def get_environment_rollouts(model, inference_model, optimizer, n_prompts, samples_per_group):
+    global _INFERENCE_INTERFACE
+    import asyncio
+
+    loop = asyncio.new_event_loop()
+    if _INFERENCE_INTERFACE is None:  # launch: broadcasts on dp as the real one does
+        from megatron.core import parallel_state as ps
+
+        box = [f"tcp://coordinator-{dist.get_rank()}"]
+        dist.broadcast_object_list(box, src=dist.get_process_group_ranks(
+            ps.get_data_parallel_group())[0], group=ps.get_data_parallel_group())
+        EVENTS.append("launch")
+        _INFERENCE_INTERFACE = MegatronLocal(ENGINE)
+    loop.run_until_complete(_INFERENCE_INTERFACE.resume())
+    EVENTS.append("generate")
+    model[0](torch.ones(4))  # the rollout's first forward: pre-hooks may gather
+    loop.run_until_complete(_INFERENCE_INTERFACE.suspend())
+    rollouts = [[f"rollout-{dist.get_rank()}"]]
+    dist.broadcast_object_list(rollouts, src=0)  # at once after the rollout, on world
+    EVENTS.append("broadcast")
+    return rollouts
+'''
+
+INTERFACE_DRIVING_SOURCE = '''
+class MegatronLocal:
+    def __init__(self, engine):
+        self._inference_engine = engine
+
+    async def resume(self):
+        self._inference_engine.resume()
+
+    async def suspend(self):
+        self._inference_engine.suspend()
+'''
+
+DDP_SOURCE = '''
+"""Stand-in for megatron.core.distributed.DistributedDataParallel's parameter
+gather with --overlap-param-gather: the optimizer step leaves the gather to
+forward pre-hooks, which issue it through the name megatron-core binds at
+import (dist_all_gather_func) inside an async coalescing manager, on the
+distributed-optimizer group, as _ParamAndGradBucketGroup.start_param_sync does."""
+import torch
+import torch.distributed as dist
+from megatron.core.distributed.param_and_grad_buffer import dist_all_gather_func
+
+GATHERS = []
+
+
+class DistributedDataParallel(torch.nn.Module):
+    def __init__(self, group):
+        super().__init__()
+        self.inner = torch.nn.Linear(4, 4)
+        self.group = group
+        self.use_forward_hook = True
+        self.remove_forward_pre_hook_handles = {}
+        self.param_gather_dispatched = True
+        self.enable_forward_pre_hook()
+
+    def forward(self, x):
+        return self.inner(x)
+
+    def optimizer_step(self):
+        self.param_gather_dispatched = False  # the next forward gathers
+
+    def enable_forward_pre_hook(self):
+        assert not self.remove_forward_pre_hook_handles
+        for module in self.modules():
+            self.remove_forward_pre_hook_handles[module] = module.register_forward_pre_hook(
+                lambda *unused: self.start_param_sync())
+
+    def disable_forward_pre_hook(self, param_sync=True):
+        for handle in self.remove_forward_pre_hook_handles.values():
+            handle.remove()
+        self.remove_forward_pre_hook_handles = {}
+        if param_sync:
+            self.start_param_sync(force_sync=True)
+
+    def start_param_sync(self, force_sync=False):
+        if self.param_gather_dispatched and not force_sync:
+            return
+        shard = torch.full((4,), float(dist.get_rank() + 1))
+        out = torch.empty(4 * dist.get_world_size(group=self.group))
+        with dist._coalescing_manager(self.group, async_ops=True) as cm:
+            dist_all_gather_func(out, shard, group=self.group, async_op=True)
+        cm.wait()
+        GATHERS.append(out.tolist())
+        self.param_gather_dispatched = True
+'''
+
+
+class StagingOptimizer:
+    """Megatron's optimizer as the adapter sees it: staging before a forced gather."""
+
+    def __init__(self):
+        self.staged = 0
+
+    def prepare_model_params_for_param_sync(self):
+        self.staged += 1
+
+
+def _stand_in_megatron_lm(name: str, files: dict) -> None:
+    """Write stand-in Megatron-LM modules (megatron is a namespace package, so they
+    join the installed megatron-core) and put them on sys.path."""
+    import sys
+
+    root = os.path.join(os.environ["AMEM_TEST_OUT"], f"rank{os.environ['RANK']}-{name}")
+    for relative, source in files.items():
+        path = os.path.join(root, relative)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        for folder in (os.path.dirname(path), os.path.dirname(os.path.dirname(path))):
+            init_file = os.path.join(folder, "__init__.py")
+            if folder.endswith(("rl", "inference")) and not os.path.exists(init_file):
+                open(init_file, "w").close()
+        with open(path, "w") as f:
+            f.write(textwrap.dedent(source))
+    sys.path.insert(0, root)
+
+
+def loop_seam(args):
+    """Megatron-LM's loop with --overlap-param-gather: the gather the rollout's
+    first forward would issue on the distributed-optimizer group happens before
+    the begin, the first rollout begins after the launch, later ones as soon as
+    rollouts are asked for, and nothing reaches a suspended group."""
+    import importlib
+
+    from megatron.core import parallel_state as ps
+
+    _stand_in_megatron_lm("loop", {"megatron/rl/rl_utils.py": LOOP_SOURCE,
+                                   "megatron/rl/inference/megatron.py": INTERFACE_DRIVING_SOURCE,
+                                   "megatron/rl/standin_ddp.py": DDP_SOURCE})
+    init_megatron(args)
+    fake = FakeNccl()
+    controller = controller_for(args, fake)
+    if args.get("skip_param_sync"):  # mutation: the adapter forgets the deferred gather
+        from amem_callbacks.adapters.megatron import param_sync
+
+        param_sync.finish_before_suspend = lambda *a, **k: []
+    if args.get("no_guard"):  # mutation: the guard lets every call through
+        from amem_callbacks.transitions import Transitions
+
+        Transitions.before_use = lambda *a, **k: None
+    rl_utils = importlib.import_module("megatron.rl.rl_utils")
+    ddp_module = importlib.import_module("megatron.rl.standin_ddp")
+    rl_utils.ENGINE = make_engine()
+    chunk = ddp_module.DistributedDataParallel(ps.get_data_parallel_group(with_context_parallel=True))
+    optimizer = StagingOptimizer()
+    events, rounds = rl_utils.EVENTS, []
+    for iteration in range(args.get("rollouts", 3)):
+        chunk.optimizer_step()  # training leaves the next gather to the pre-hooks
+        gathers_before = len(ddp_module.GATHERS)
+        rl_utils.get_environment_rollouts([chunk], None, optimizer, 2, 2)
+        controller.policy.wait()
+        rounds.append({"via": [via for via, _ in controller.reports[-2:]],
+                       "gathered": len(ddp_module.GATHERS) - gathers_before,
+                       "hooks_on_after": bool(chunk.remove_forward_pre_hook_handles),
+                       "suspended_after": fake.suspended()})
+    counters = controller.policy.counters.as_dict()
+    return {"events": events, "rounds": rounds, "staged": optimizer.staged,
+            "gathers_exact": all(g == [1.0] * 4 + [2.0] * 4 for g in ddp_module.GATHERS),
+            "guard_resumes": counters["amem/total/auto_resumes"],
+            "begins": counters["amem/total/begins"],
+            "all_exact": all(exact(e.group, 5.0) for e in controller.rollout_groups.entries)}
+
+
+GROWABLE_CONTEXT = '''
+import enum
+
+
+class KVCacheManagementMode(str, enum.Enum):
+    PERSIST = "persist"
+    RECOMPUTE = "recompute"
+
+
+class KVBlockAllocator:
+    """megatron-core 0.19's constructor; the engine's resume reads total_count."""
+
+    def __init__(self, context, total_count, paused_count, enable_prefix_caching=False,
+                 prefix_caching_eviction_policy=None):
+        self.context, self.total_count, self.paused_count = context, total_count, paused_count
+        self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_caching_eviction_policy = prefix_caching_eviction_policy
+'''
+
+
+def kv_growth(args):
+    """--rl-amem-grow-kv-cache: each re-allocation gets the bytes this rank's begin
+    freed, the minimum over the model replica (TP 2: both ranks), minus the margin;
+    persist mode says once that nothing can grow."""
+    from amem_callbacks.adapters.megatron import Settings, install
+
+    namespace = {}
+    exec(textwrap.dedent(GROWABLE_CONTEXT), namespace)
+    init_megatron(args)
+    # the ranks free different amounts: the agreement takes the smaller
+    fake = FakeNccl(default_mib=480 if dist.get_rank() == 0 else 384)
+    settings = Settings(enabled=True, grow_kv_cache=True, kv_margin_gb=args["margin_gb"])
+    controller = install(settings=settings, backend=fake.backend(), agree_timeout_s=20,
+                         timeout_s=30)
+    engine = make_engine()
+    context = StubContext()
+    mode = namespace["KVCacheManagementMode"](args["mode"])
+    allocation = {}
+
+    def allocate_all_tensors(*, is_init):  # 0.16.1's engine calls this at resume
+        allocation["blocks"] = context.kv_block_allocator.total_count
+        StubContext.allocate_all_tensors(context, is_init=is_init)
+
+    context.allocate_all_tensors = allocate_all_tensors
+    context.kv_block_allocator = namespace["KVBlockAllocator"](context, 100, 0)
+    context.kv_cache_management_mode = mode
+    context.block_size_bytes = 8 * MiB
+    context.block_size_tokens = 256
+    context.max_requests = 96
+    engine.context = context
+    out = {"rollouts": []}
+    for _ in range(2):
+        engine.resume()
+        drain(engine)
+        report = controller.kv_reports[-1] if controller.kv_reports else None
+        out["rollouts"].append({"allocated_blocks": allocation.get("blocks"),
+                                "report": None if report is None else report.as_dict(),
+                                "summary": None if report is None else report.summary()})
+        engine.suspend()
+        controller.policy.wait()
+    out["freed_bytes"] = controller.reports[0][1].nccl_bytes
+    return out
+
+
+MiB = 2**20

@@ -267,3 +267,79 @@ def test_add_args_alone_reads_megatrons_global_args_and_writers():
         assert begin["world"] == begin["tp"] == "kept" and begin["dp"] == "would suspend"
         assert res["tensorboard_steps"] == [7] and res["tensorboard_names"] > 0
         assert res["wandb_calls"] == (2 if rank == 1 else None)
+
+
+def test_launcher_names_a_missing_script_or_module_in_one_line():
+    for target in (["nosuch_script.py"], ["-m", "no.such.module"]):
+        proc = launcher(*target, "--rl-amem-offload-during-rollout")
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 2 and "Traceback" not in out, out
+        assert "no such script" in out or "no module named" in out
+
+
+# --- issue #22: --overlap-param-gather, and the loop's own seam ------------------
+def test_the_deferred_parameter_gather_runs_before_the_suspend():
+    """Megatron-LM's loop with the distributed optimizer's overlapped param gather:
+    without the fix the rollout's first forward gathers on dp_cp while it is
+    suspended (the crash measured on GPU; here the fake NCCL's tripwire would end
+    the process)."""
+    for res in results("loop_seam", rollouts=3):
+        assert res["events"] == ["launch", "generate", "broadcast"] + ["generate",
+                                                                       "broadcast"] * 2
+        first, *later = res["rounds"]
+        # the first rollout begins after the launch (its broadcasts need dp and world)
+        assert first["via"] == ["MegatronLocal.resume", "DynamicInferenceEngine.suspend"]
+        for rollout in later:  # then as soon as the loop asks for rollouts
+            assert rollout["via"] == ["get_environment_rollouts",
+                                      "DynamicInferenceEngine.suspend"]
+        for rollout in res["rounds"]:
+            assert rollout["gathered"] == 1  # once per step, before the suspend
+            assert rollout["hooks_on_after"] and not any(rollout["suspended_after"].values())
+        assert res["staged"] == 3 and res["gathers_exact"] and res["all_exact"]
+        assert res["guard_resumes"] == 0 and res["begins"] == 3
+
+
+def test_without_the_fix_the_guard_sees_megatrons_import_bound_gather():
+    """Mutation: the adapter skips the deferred gather. The gather then meets the
+    suspended group through a name megatron-core bound at import, inside the
+    coalescing manager; the ProcessGroup-level guard resumes the group first."""
+    for res in results("loop_seam", rollouts=3, skip_param_sync=True):
+        assert res["guard_resumes"] >= 1 and res["gathers_exact"] and res["all_exact"]
+
+
+@pytest.mark.parametrize("margin_gb", [0.0, 0.125])
+def test_the_kv_cache_grows_by_the_agreed_freed_bytes_minus_the_margin(margin_gb):
+    both = results("kv_growth", tp=2, mode="recompute", margin_gb=margin_gb)
+    # the ranks' communicators differ in size: the replica takes the smaller figure
+    freed = [res["freed_bytes"] for res in both]
+    assert freed[0] > freed[1] > 0
+    expected = 100 + (freed[1] - int(margin_gb * 2**30)) // (8 * 2**20)
+    for res in both:
+        for rollout in res["rollouts"]:
+            report = rollout["report"]
+            assert rollout["allocated_blocks"] == report["amem/kv_cache/blocks"] == expected
+            assert report["amem/kv_cache/grown"] == 1
+            assert report["amem/kv_cache/from_freed_bytes"] == (expected - 100) * 8 * 2**20
+            assert report["amem/kv_cache/margin_bytes"] == int(margin_gb * 2**30)
+            assert report["amem/kv_cache/token_capacity"] == (expected - 1) * 256
+            assert "from freed NCCL memory" in rollout["summary"]
+
+
+def test_a_persistent_kv_cache_is_never_grown_and_says_why():
+    for res in results("kv_growth", tp=2, mode="persist", margin_gb=0.0):
+        for rollout in res["rollouts"]:
+            assert rollout["allocated_blocks"] == 100
+            assert rollout["report"]["amem/kv_cache/grown"] == 0
+            assert "persist" in rollout["summary"] and "recompute" in rollout["summary"]
+
+
+def test_without_fix_and_guard_the_gather_dies_on_the_suspended_group_as_on_gpu():
+    """The scenario reproduces issue #22's crash: with neither the deferred-gather
+    fix nor the guard, the gather reaches dp_cp's suspended communicator and the
+    fake NCCL ends the process, as real NCCL did (illegal memory access)."""
+    outcome = run_ranks(f"{SCENARIOS}:loop_seam", world=2, timeout=180, expect_ok=False,
+                        allow_fake_nccl_fatal=True,
+                        args={"rollouts": 2, "skip_param_sync": True, "no_guard": True})
+    # the first rank to get there dies; its peer then fails on the broken connection
+    assert all(r["returncode"] != 0 for r in outcome) and 86 in [r["returncode"] for r in outcome]
+    assert any("on group 'dp_cp'" in line for r in outcome for line in r["fake_nccl_fatal"])

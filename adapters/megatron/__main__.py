@@ -25,6 +25,15 @@ def _log_to_stderr() -> None:
     log.propagate = False  # Megatron may configure the root logger too: one line each
 
 
+def _module_exists(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a missing parent package raises
+        return False
+
+
 def main(argv=None) -> None:
     from . import install
     from .args import launcher_parser
@@ -38,6 +47,10 @@ def main(argv=None) -> None:
     module_target = rest[:1] == ["-m"] and len(rest) > 1
     if not (module_target or rest and not rest[0].startswith("-")):
         parser.error("give the script to run first: SCRIPT.py [ARGS...] or -m MODULE [ARGS...]")
+    if module_target and not _module_exists(rest[1]):
+        parser.error(f"no module named {rest[1]!r}")
+    if not module_target and not os.path.isfile(rest[0]):
+        parser.error(f"no such script: {rest[0]}")
     _log_to_stderr()
     install(ours)
     if module_target:

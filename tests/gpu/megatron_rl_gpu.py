@@ -72,7 +72,8 @@ TINY = """
 """.split()
 
 _patches = Patches()  # test-side wrappers around Megatron (the loop itself is untouched)
-_record = {"iterations": [], "rollouts": [], "kv_cache_allocations": [], "errors": []}
+_record = {"iterations": [], "rollouts": [], "kv_cache_allocations": [], "errors": [],
+           "generations": [], "events": [], "memory_trace": []}
 
 
 # --- set-up before Megatron is imported ----------------------------------
@@ -96,16 +97,20 @@ def add_sources(mlm: str) -> None:
         [mlm, STANDINS, ROOT, os.environ.get("PYTHONPATH", "")])
 
 
-def make_tokenizer(path: str) -> str:
+def make_tokenizer(path: str, size: int = 0) -> str:
     """A one-character-per-token HF tokenizer with a chat template, no download.
-    Each rank writes its own copy (no cross-rank file race)."""
+    Each rank writes its own copy (no cross-rank file race). ``size`` pads the
+    vocabulary with unused tokens: a random model then rarely samples the end
+    token, so generations run to their length cap (a KV-bound rollout)."""
     if os.path.exists(os.path.join(path, "tokenizer.json")):
         return path
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     specials = ["<unk>", "<s>", "</s>", "<pad>"]
-    vocab = {t: i for i, t in enumerate(specials + [chr(c) for c in range(32, 127)])}
+    words = specials + [chr(c) for c in range(32, 127)]
+    words += [f"<unused{i}>" for i in range(max(0, size - len(words)))]
+    vocab = {t: i for i, t in enumerate(words)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     core.decoder = decoders.Fuse()
@@ -142,7 +147,14 @@ def keep_servers_local() -> None:
     _patches.wrap(server, "start_text_gen_server", with_loopback, required=True)
     _patches.wrap(MegatronLocal, "launch", required=True, replace=lambda original: classmethod(
         wrapper(original.__func__, lambda launch, cls, model, **kwargs:
-                launch(cls, model, **{**kwargs, "host": LOOPBACK}))))
+                launch(cls, model, **{**kwargs, "host": LOOPBACK, **_server_port()}))))
+
+
+def _server_port() -> dict:
+    """Concurrent runs on one machine each need their own HTTP front-end port
+    (0.19 hard-codes 8294); the runner passes one in AMEM_TEXT_GEN_PORT."""
+    port = os.environ.get("AMEM_TEXT_GEN_PORT")
+    return {"port": int(port)} if port else {}
 
 
 def register_agent() -> None:
@@ -170,6 +182,28 @@ def install_probes(prefix: str) -> None:
                  "torch_reserved_bytes": torch.cuda.memory_reserved(),
                  "rollout_active": _amem_active()})
 
+    def kv_allocated(result, context, *args, **kwargs):
+        allocation = _record["kv_cache_allocations"][-1] if _record["kv_cache_allocations"] \
+            else None
+        buffer = getattr(context, "memory_buffer", None)
+        if allocation is not None and "kv_bytes" not in allocation and buffer is not None:
+            allocator = getattr(context, "kv_block_allocator", None)
+            allocation.update(kv_bytes=buffer.numel() * buffer.element_size(),
+                              blocks=getattr(allocator, "total_count", None),
+                              block_tokens=getattr(context, "block_size_tokens", None),
+                              max_requests=getattr(context, "max_requests", None))
+            mark("kv_allocated")
+
+    def generated(original, *args, **kwargs):
+        mark("rollouts_asked")
+        result, start, seconds = timed(original, *args, **kwargs)
+        tokens, evictions, count = _count_tokens(result)
+        _record["generations"].append({"iteration": iteration(), "start": start,
+                                       "seconds": seconds, "generated_tokens": tokens,
+                                       "rollouts": count, "evictions": evictions})
+        mark("rollouts_back")
+        return result
+
     def timed(original, *args, **kwargs):
         start = time.monotonic()
         result = original(*args, **kwargs)
@@ -194,7 +228,8 @@ def install_probes(prefix: str) -> None:
             "grad_norm": _number(args[3] if len(args) > 3 else kwargs.get("grad_norm"))})
 
     _patches.wrap(DynamicInferenceContext, "initialize_all_tensors", before=kv_alloc,
-                  required=True)
+                  after=kv_allocated, required=True)
+    _patches.wrap(rl_utils, "get_environment_rollouts", generated, required=True)
     _patches.wrap(rl_utils, "get_grpo_data_iterator", rollout, required=True)
     _patches.wrap(training, "train_step", train_step, required=True)
     _patches.wrap(training, "training_log", before=training_log, required=True)
@@ -202,6 +237,56 @@ def install_probes(prefix: str) -> None:
     _patches.wrap(rl_utils, "rl_inference_interface_shutdown",
                   before=lambda *args, **kwargs: write_record(prefix), required=True)
     atexit.register(write_record, prefix)  # a crash still leaves what was measured
+
+
+def _count_tokens(grouped) -> tuple:
+    """(generated tokens, evictions, rollouts) of Megatron-LM's rollouts (every rank
+    holds all of them after the broadcast)."""
+    tokens = evictions = count = 0
+    for group in grouped or ():
+        for rollout in group:
+            count += 1
+            evictions += sum(getattr(rollout, "num_evictions", None) or [])
+            mask = getattr(rollout, "generation_mask", None)
+            if mask is not None:
+                tokens += sum(sum(bool(x) for x in turn) for turn in mask)
+            elif getattr(rollout, "prompt_length", None) is not None:
+                tokens += sum(len(t) for t in rollout.trajectory) - sum(rollout.prompt_length)
+    return tokens, evictions, count
+
+
+def mark(event: str) -> None:
+    _record["events"].append((event, time.monotonic()))
+
+
+def start_memory_trace(interval_s: float) -> None:
+    """Rank 0 samples the GPU's free memory (the whole device: every rank's use)."""
+    import threading
+
+    import torch
+
+    device = torch.cuda.current_device()
+
+    def sample():
+        torch.cuda.set_device(device)
+        while True:
+            _record["memory_trace"].append((time.monotonic(), torch.cuda.mem_get_info()[0]))
+            time.sleep(interval_s)
+
+    threading.Thread(target=sample, name="memory-trace", daemon=True).start()
+
+
+def hold_standin_memory(gib: float) -> None:
+    """A fixed allocation standing for a larger model's weights and optimizer state,
+    so the KV buffer without the package is what a real job would have left."""
+    import torch
+
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    _held.append(torch.empty(int(gib * 2**30), dtype=torch.uint8, device="cuda"))
+    _record["standin_bytes"] = int(gib * 2**30)
+
+
+_held: list = []
 
 
 def _nccl_version() -> str:
@@ -255,11 +340,19 @@ def amem_summary() -> dict:
             "kept": {g.name: g.reason for g in report.kept},
             "nccl_bytes": report.nccl_bytes, "gpu_wide_freed_bytes": report.device_freed_bytes,
             "ranks_on_this_gpu": report.device_shared_by, "seconds": report.total_seconds,
+            "wall_seconds": report.wall_seconds, "started": report.started,
             "groups": [{"name": g.name, "size": g.size, "action": str(g.action),
                         "bytes": g.suspendable_bytes, "stays_bytes": g.stays_bytes,
                         "path": g.path, "transport": g.transport} for g in report.groups]})
-    return {"installed": True, "plan": controller.plan.describe() if controller.plan else None,
-            "transitions": transitions, "metrics": controller.session.metrics()}
+    session = controller.session
+    groups = controller.rollout_groups
+    return {"installed": True, "rollout_groups": groups.describe() if groups else None,
+            "transitions": transitions,
+            "metrics": session.metrics() if session is not None else {},
+            "caller_waits": dict(session.waited) if session is not None else {},
+            "kv_cache": [dict(r.as_dict(), summary=r.summary()) for r in controller.kv_reports],
+            "settings": vars(controller.settings) if hasattr(controller.settings, "__dict__")
+            else str(controller.settings)}
 
 
 def write_record(prefix: str) -> None:
@@ -397,6 +490,14 @@ def main(argv=None) -> None:
     parser.add_argument("--merge", nargs=3, metavar=("BASELINE", "AMEM", "CONTROL"),
                         help="compare three runs' prefixes (CONTROL may be '')")
     parser.add_argument("--summary", help="with --merge: where to write the comparison")
+    parser.add_argument("--amem-standin-gb", type=float, default=0.0,
+                        help="hold this many GiB per rank, standing for a larger model's "
+                             "weights and optimizer state")
+    parser.add_argument("--amem-vocab", type=int, default=0,
+                        help="pad the test tokenizer to this many tokens (rare end token: "
+                             "generations run to --inference-max-seq-length)")
+    parser.add_argument("--amem-memory-trace", type=float, default=0.0, metavar="SECONDS",
+                        help="rank 0 samples the GPU's free memory at this interval")
     ours, rest = parser.parse_known_args(argv)
     if ours.merge:
         summary = merge(*ours.merge, ours.summary)
@@ -411,7 +512,12 @@ def main(argv=None) -> None:
     add_sources(os.path.abspath(ours.mlm))
     rank = os.environ.get("RANK", "0")
     os.makedirs(ours.work, exist_ok=True)
-    tokenizer = make_tokenizer(os.path.join(ours.work, f"tokenizer-rank{rank}"))
+    tokenizer = make_tokenizer(os.path.join(ours.work, f"tokenizer-rank{rank}-v{ours.amem_vocab}"),
+                               ours.amem_vocab)
+    if ours.amem_standin_gb:
+        hold_standin_memory(ours.amem_standin_gb)
+    if ours.amem_memory_trace and rank == "0":
+        start_memory_trace(ours.amem_memory_trace)
     env_config = write_env_config(os.path.join(ours.work, f"env-rank{rank}.yaml"))
     # Megatron's training module first: it imports megatron.rl inside a try and
     # reads a failure as "no RL package"; importing megatron.rl first makes

@@ -1,42 +1,57 @@
-"""TEST STAND-IN (never shipped): a pure-PyTorch stand-in for the two flash-attn 2 entry points that Megatron's
-dynamic inference engine calls (megatron/core/transformer/attention.py:
-flash_decode_and_prefill). Paged KV cache: k/v [num_blocks, block_size, H_kv, D],
-block_table [batch, max_blocks]. Slow (a Python loop over requests, host syncs);
-for functional tests only: flash-attn has no wheel for the GPU machine, and
-Megatron's dynamic inference engine has no other attention path. Results that
-used it say so. No CUDA graphs (keep --inference-cuda-graph-scope none)."""
+"""TEST STAND-IN (never shipped): a pure-PyTorch stand-in for the two flash-attn 2
+entry points that Megatron's dynamic inference engine calls
+(megatron/core/transformer/attention.py: flash_decode_and_prefill). Paged KV
+cache: k/v [num_blocks, block_size, H_kv, D], block_table [batch, max_blocks].
+
+Batched over requests: the paged blocks of every request are gathered in one
+indexing op and attended in one masked ``scaled_dot_product_attention``, so a
+step costs about the same whatever the number of requests, as with the real
+kernels. (A per-request Python loop made a step cost grow with the batch, and
+a bigger KV cache, more requests at once, would then buy no throughput: the
+rollout-gain measurement needs the batched form.) Not a fast kernel: for
+functional tests and relative measurements only; flash-attn has no wheel for
+the GPU machine, and Megatron's dynamic engine has no other attention path.
+Results that used it say so. No CUDA graphs (keep --inference-cuda-graph-scope
+none)."""
 import torch
 import torch.nn.functional as F
 
 __version__ = "2.8.3"  # attention.py:1330 asserts is_fa_min_version("2.7.3")
 
 
-def _gather(cache, row, n):
-    bs = cache.shape[1]
-    nblk = (n + bs - 1) // bs
-    return cache[row[:nblk].long()].reshape(-1, cache.shape[2], cache.shape[3])[:n]
+def _paged(cache, block_table):
+    """[B, max_blocks*block_size, H, D]: every request's blocks in order."""
+    batch, blocks = block_table.shape
+    gathered = cache[block_table.long().clamp(min=0)]  # [B, blocks, bs, H, D]
+    return gathered.reshape(batch, blocks * cache.shape[1], cache.shape[2], cache.shape[3])
 
 
-def _attend(q, k, v, scale, causal, window_size=(-1, -1)):
-    # q [Lq, Hq, D], k/v [Lk, Hk, D]; flash-attn aligns the causal mask bottom-right
-    lq, hq, _ = q.shape
-    lk, hk, _ = k.shape
+def _mask(q_lens, k_lens, max_q, max_k, causal, window_size, device):
+    """[B, 1, max_q, max_k]: keys a query may see; flash-attn aligns the causal
+    mask bottom-right (query i of n sits at key position k_len - n + i)."""
+    i = torch.arange(max_q, device=device)[None, :, None]
+    j = torch.arange(max_k, device=device)[None, None, :]
+    pos = (k_lens - q_lens)[:, None, None] + i
+    mask = (j < k_lens[:, None, None]) & (i < q_lens[:, None, None])
+    if causal:
+        mask &= j <= pos
+    if window_size is not None and window_size[0] >= 0:
+        mask &= j >= pos - window_size[0]
+    return mask[:, None]
+
+
+def _attend(q, k, v, mask, scale):
+    """q [B, Lq, Hq, D], k/v [B, Lk, Hk, D] -> [B, Lq, Hq, D]."""
+    hq, hk = q.shape[2], k.shape[2]
     if hq != hk:
-        k = k.repeat_interleave(hq // hk, dim=1)
-        v = v.repeat_interleave(hq // hk, dim=1)
-    mask = None
-    if causal or (window_size is not None and window_size[0] >= 0):
-        i = torch.arange(lq, device=q.device)[:, None] + (lk - lq)
-        j = torch.arange(lk, device=q.device)[None, :]
-        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device)
-        if causal:
-            mask &= j <= i
-        if window_size is not None and window_size[0] >= 0:
-            mask &= j >= i - window_size[0]
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).float(), k.transpose(0, 1).float(), v.transpose(0, 1).float(),
-        attn_mask=mask, scale=scale)
-    return out.transpose(0, 1).to(q.dtype)
+        k = k.repeat_interleave(hq // hk, dim=2)
+        v = v.repeat_interleave(hq // hk, dim=2)
+    # A fully masked row (a padded query) gives NaN in SDPA: let it see key 0, drop it after.
+    safe = mask.clone()
+    safe[..., 0] |= ~mask.any(-1)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                         v.transpose(1, 2), attn_mask=safe, scale=scale)
+    return out.transpose(1, 2)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
@@ -45,17 +60,27 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
                            **_):
     if return_attn_probs:
         raise NotImplementedError("flash_attn shim: no LSE (attention sinks unsupported)")
-    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    k_lens = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    max_q = int(max_seqlen_q) if max_seqlen_q is not None else int(q_lens.max())
+    if block_table is not None:
+        ks, vs = _paged(k, block_table), _paged(v, block_table)
+    else:  # packed keys: pad each request's run the same way as the queries
+        ks, vs = _pad(k, cu_seqlens_k, k_lens, int(k_lens.max())), _pad(
+            v, cu_seqlens_k, k_lens, int(k_lens.max()))
+    rows = cu_seqlens_q[:-1, None] + torch.arange(max_q, device=q.device)[None]
+    valid = torch.arange(max_q, device=q.device)[None] < q_lens[:, None]
+    q_pad = q[rows.clamp(max=q.shape[0] - 1)]  # [B, max_q, H, D]
+    mask = _mask(q_lens, k_lens, max_q, ks.shape[1], causal, window_size, q.device)
+    out_pad = _attend(q_pad, ks, vs, mask, softmax_scale)
     out = torch.empty_like(q)
-    for b in range(len(cq) - 1):
-        n = ck[b + 1] - ck[b]
-        if block_table is not None:
-            ks, vs = _gather(k, block_table[b], n), _gather(v, block_table[b], n)
-        else:
-            ks, vs = k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]]
-        out[cq[b]:cq[b + 1]] = _attend(q[cq[b]:cq[b + 1]], ks, vs, softmax_scale, causal,
-                                        window_size)
+    out[rows[valid]] = out_pad[valid].to(q.dtype)
     return out
+
+
+def _pad(x, cu, lens, width):
+    rows = cu[:-1, None] + torch.arange(width, device=x.device)[None]
+    return x[rows.clamp(max=x.shape[0] - 1)]
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
@@ -64,12 +89,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
                             **_):
     if k is not None or v is not None or return_softmax_lse:
         raise NotImplementedError("flash_attn shim: only the paged read path is implemented")
-    lens = cache_seqlens.tolist()
-    out = torch.empty_like(q)  # q [B, Sq, Hq, D]
-    for b, n in enumerate(lens):
-        if block_table is not None:
-            ks, vs = _gather(k_cache, block_table[b], n), _gather(v_cache, block_table[b], n)
-        else:
-            ks, vs = k_cache[b, :n], v_cache[b, :n]
-        out[b] = _attend(q[b], ks, vs, softmax_scale, causal, window_size)
-    return out
+    batch, max_q = q.shape[0], q.shape[1]  # q [B, Sq, Hq, D]
+    k_lens = cache_seqlens.to(torch.long)
+    q_lens = torch.full_like(k_lens, max_q)
+    if block_table is not None:
+        ks, vs = _paged(k_cache, block_table), _paged(v_cache, block_table)
+    else:
+        ks, vs = k_cache[:batch], v_cache[:batch]
+    mask = _mask(q_lens, k_lens, max_q, ks.shape[1], causal, window_size, q.device)
+    return _attend(q, ks, vs, mask, softmax_scale).to(q.dtype)
