@@ -43,6 +43,7 @@ from amem_callbacks.tools.pairs import Interleaved, Pair  # noqa: E402
 from tests.gpu import megatron_runs as runs  # noqa: E402
 
 GiB = 2**30
+CUDA_CONTEXT = int(0.6 * GiB)  # a CUDA context on an H200 with torch 2.11 (not in torch's figures)
 # The rollout: P x G requests per rollout, 64-token sequences in 32-token blocks
 # (two blocks a request), one rollout per iteration.
 MODEL = ("--num-layers 28 --hidden-size 256 --num-attention-heads 64 --kv-channels 256 "
@@ -160,19 +161,28 @@ def run(args) -> int:
 
 
 def calibrate(args) -> int:
-    """One run without the stand-in allocation: the GPU's lowest free memory is
-    what the run needed (both ranks together)."""
+    """One run without the stand-in allocation: what each rank needed (torch's
+    peak reservation plus NCCL's communicators plus the CUDA context), and the
+    ``--leave-gb`` that leaves about ``--slack-gb`` of it unused: less than the
+    package frees, so the control's bigger buffer cannot fit. Per-rank figures,
+    so it may run beside other work."""
     runs.install_bundle()
     os.makedirs(args.out, exist_ok=True)
-    one_run(args, "calibrate", False, args.buffer_gb, 29690, standin=False)
-    first = runs.load_records(os.path.join(args.out, "calibrate")).get(0, {})
-    trace = first.get("memory_trace", [])
-    total = max((a.get("total_bytes", 0) for a in first.get("kv_cache_allocations", [])),
-                default=0)
-    if trace and total:
-        peak = total - min(free for _t, free in trace)
-        print(json.dumps({"peak_used_gib_whole_gpu": peak / GiB,
-                          "per_rank_gib": peak / GiB / args.ranks}), flush=True)
+    outcome = one_run(args, "calibrate", False, args.buffer_gb, 29690, standin=False)
+    records = runs.load_records(os.path.join(args.out, "calibrate"))
+    needs = {rank: (r.get("torch_max_reserved_bytes") or 0) + (r.get("nccl_total_bytes") or 0)
+             + CUDA_CONTEXT for rank, r in records.items()}
+    result = {"rc": outcome["rc"], "seconds": outcome["seconds"],
+              "need_gib_per_rank": {r: n / GiB for r, n in needs.items()},
+              "generations": records.get(0, {}).get("generations"),
+              "iterations": [it["time"] for it in records.get(0, {}).get("iterations", [])],
+              "kv": records.get(0, {}).get("kv_cache_allocations")}
+    if needs:
+        result["leave_gb"] = round(max(needs.values()) / GiB + args.slack_gb, 2)
+    with open(os.path.join(args.out, "calibration.json"), "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    print(json.dumps({k: result.get(k) for k in ("rc", "seconds", "need_gib_per_rank",
+                                                 "leave_gb")}), flush=True)
     pack(args.out)
     return 0
 
@@ -244,6 +254,8 @@ def main(argv=None) -> int:
                         help="memory each rank keeps for this run; the rest of its share of the "
                              "GPU is held by the stand-in allocation")
     parser.add_argument("--control-extra-gb", type=float, default=3.2)
+    parser.add_argument("--slack-gb", type=float, default=0.75,
+                        help="calibrate: memory left unused by the run without the package")
     parser.add_argument("--no-grow", action="store_true",
                         help="the package without --rl-amem-grow-kv-cache (critical path only)")
     parser.add_argument("--timeout", type=float, default=240.0)

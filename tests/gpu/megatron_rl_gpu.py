@@ -229,7 +229,10 @@ def install_probes(prefix: str) -> None:
 
     _patches.wrap(DynamicInferenceContext, "initialize_all_tensors", before=kv_alloc,
                   after=kv_allocated, required=True)
-    _patches.wrap(rl_utils, "get_environment_rollouts", generated, required=True)
+    # The adapter wraps this function too (its early begin): Patches refuses a second
+    # wrapper of one attribute, so the probe goes around whatever is there.
+    inner = rl_utils.get_environment_rollouts
+    rl_utils.get_environment_rollouts = lambda *a, **k: generated(inner, *a, **k)
     _patches.wrap(rl_utils, "get_grpo_data_iterator", rollout, required=True)
     _patches.wrap(training, "train_step", train_step, required=True)
     _patches.wrap(training, "training_log", before=training_log, required=True)
@@ -276,14 +279,20 @@ def start_memory_trace(interval_s: float) -> None:
     threading.Thread(target=sample, name="memory-trace", daemon=True).start()
 
 
-def hold_standin_memory(gib: float) -> None:
+def hold_standin_memory(leave_gib: float) -> None:
     """A fixed allocation standing for a larger model's weights and optimizer state,
-    so the KV buffer without the package is what a real job would have left."""
+    so the KV buffer without the package is what a real job would have left: each
+    rank takes its share of the GPU (total / ranks on it) less ``leave_gib``."""
     import torch
 
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    _held.append(torch.empty(int(gib * 2**30), dtype=torch.uint8, device="cuda"))
-    _record["standin_bytes"] = int(gib * 2**30)
+    device = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(device)
+    sharing = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")) // torch.cuda.device_count())
+    total = torch.cuda.mem_get_info(device)[1]
+    standin = int(total / sharing - leave_gib * 2**30)
+    _held.append(torch.empty(max(0, standin), dtype=torch.uint8, device="cuda"))
+    _record.update(standin_bytes=standin, leave_bytes=int(leave_gib * 2**30),
+                   ranks_sharing_gpu=sharing, gpu_total_bytes=total)
 
 
 _held: list = []
@@ -295,6 +304,21 @@ def _nccl_version() -> str:
 
     library = NcclLibrary.loaded()
     return library.version_str if library is not None else "none"
+
+
+def _nccl_total_bytes() -> int:
+    """NCCL's own account of every communicator of this rank (active or not)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    from amem_callbacks.backends.nccl import torch_comm_handle
+    from amem_callbacks.nccl_library import STAT_TOTAL, NcclLibrary
+
+    library, total = NcclLibrary.loaded(), 0
+    for group in list(c10d._world.pg_map):
+        handle, _why = torch_comm_handle(group)
+        if handle is not None and handle.ptr and library is not None:
+            total += library.comm_mem_stat(handle.ptr, STAT_TOTAL)
+    return total
 
 
 def _megatron_version() -> str:
@@ -364,7 +388,9 @@ def write_record(prefix: str) -> None:
 
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     for key, read in (("amem", amem_summary), ("torch", lambda: torch.__version__),
-                      ("nccl", _nccl_version), ("megatron_core", _megatron_version)):
+                      ("nccl", _nccl_version), ("megatron_core", _megatron_version),
+                      ("torch_max_reserved_bytes", torch.cuda.max_memory_reserved),
+                      ("nccl_total_bytes", _nccl_total_bytes)):
         try:
             _record[key] = read()
         except Exception as exc:  # the record must still be written
@@ -490,9 +516,9 @@ def main(argv=None) -> None:
     parser.add_argument("--merge", nargs=3, metavar=("BASELINE", "AMEM", "CONTROL"),
                         help="compare three runs' prefixes (CONTROL may be '')")
     parser.add_argument("--summary", help="with --merge: where to write the comparison")
-    parser.add_argument("--amem-standin-gb", type=float, default=0.0,
-                        help="hold this many GiB per rank, standing for a larger model's "
-                             "weights and optimizer state")
+    parser.add_argument("--amem-leave-gb", type=float, default=0.0,
+                        help="hold all of this rank's share of the GPU but this many GiB, "
+                             "standing for a larger model's weights and optimizer state")
     parser.add_argument("--amem-vocab", type=int, default=0,
                         help="pad the test tokenizer to this many tokens (rare end token: "
                              "generations run to --inference-max-seq-length)")
@@ -514,8 +540,8 @@ def main(argv=None) -> None:
     os.makedirs(ours.work, exist_ok=True)
     tokenizer = make_tokenizer(os.path.join(ours.work, f"tokenizer-rank{rank}-v{ours.amem_vocab}"),
                                ours.amem_vocab)
-    if ours.amem_standin_gb:
-        hold_standin_memory(ours.amem_standin_gb)
+    if ours.amem_leave_gb:
+        hold_standin_memory(ours.amem_leave_gb)
     if ours.amem_memory_trace and rank == "0":
         start_memory_trace(ours.amem_memory_trace)
     env_config = write_env_config(os.path.join(ours.work, f"env-rank{rank}.yaml"))

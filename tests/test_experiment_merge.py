@@ -1,0 +1,53 @@
+"""The rollout-gain experiment's arithmetic on synthetic run records: ratios per
+pair, medians, the control verdict (the GPU run feeds it real records)."""
+
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def write_run(folder, name, tokens_per_s, blocks, step_s, rc=0, amem=False):
+    prefix = os.path.join(folder, name)
+    with open(prefix + ".outcome.json", "w") as f:
+        json.dump({"rc": rc, "seconds": 80.0, "command": f"cmd {name}", "tail": ""}, f)
+    if rc != 0:
+        return
+    record = {"rank": 0, "generations": [
+        {"generated_tokens": 100, "seconds": 1.0, "evictions": 0},
+        {"generated_tokens": 1000, "seconds": 1000 / tokens_per_s, "evictions": 0}],
+        "kv_cache_allocations": [{"kv_bytes": 1}, {"kv_bytes": blocks * 10, "blocks": blocks,
+                                                   "block_tokens": 32, "max_requests": 96}],
+        "iterations": [{"iteration": i, "time": i * step_s, "loss": {"lm loss": 1.0}}
+                       for i in range(4)], "amem": None}
+    if amem:
+        record["amem"] = {"installed": True, "transitions": [
+            {"kind": "begin", "wall_seconds": 2.0, "skipped": None},
+            {"kind": "end", "wall_seconds": 1.0, "skipped": None}] * 2,
+            "caller_waits": {"start": 0.2, "stop": 0.0, "memory": 1.8},
+            "metrics": {"amem/total/guard_wait_seconds": 0.4, "amem/total/auto_resumes": 0}}
+    with open(prefix + ".rank0.json", "w") as f:
+        json.dump(record, f)
+
+
+def test_merge_reports_medians_of_pair_ratios_and_the_control(tmp_path):
+    sys.path.insert(0, ROOT)
+    from experiments import rollout_gain
+
+    folder = str(tmp_path)
+    for index, (tps_with, step_with) in enumerate([(130.0, 9.0), (125.0, 9.5), (140.0, 8.0)]):
+        write_run(folder, f"pair{index}_without", 100.0, 100, 10.0)
+        write_run(folder, f"pair{index}_with", tps_with, 130, step_with, amem=True)
+    write_run(folder, "control", 0, 0, 0, rc=1)
+    rollout_gain.main(["merge", folder])
+    gain = json.load(open(os.path.join(folder, "rollout_gain.json")))
+    assert abs(gain["capacity_ratio"] - 130 / 100 * 1.0) < 0.02  # (blocks - 1) * tokens
+    assert gain["rollout_tokens_per_s_ratio"] == 1.3 and gain["rollout_tokens_per_s_ratio_spread"] \
+        == [1.25, 1.4]
+    assert gain["step_time_ratio"] == 0.9 and gain["control_fails"] is True
+    assert len(gain["pairs"]) == 3 and gain["pairs"][1]["order"] == ["with", "without"]
+    critical = json.load(open(os.path.join(folder, "critical_path.json")))
+    # (0.2 + 1.8 + 0.4) s waited over 2 rollouts, against (2 + 1) s of transitions each
+    assert critical["critical_path_s"] == 1.2 and critical["transition_wall_s"] == 3.0
+    assert abs(critical["critical_fraction"] - 0.4) < 1e-9
