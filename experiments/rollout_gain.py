@@ -12,8 +12,9 @@ recompute. Every rank first takes a fixed allocation that stands for a larger
 model's weights and optimizer state (``--leave-gb``: what is left per rank for
 this run's model, optimizer, NCCL and KV cache); the KV buffer without the
 package (``--buffer-gb``) is then about the largest that fits. The model is
-built for a KV-heavy rollout: few parameters, a wide KV (64 heads x 256
-channels over 28 layers, 1.8 MB per token), a 32k vocabulary so a random
+built for a KV-heavy rollout: few layers and parameters, a wide KV (448 heads
+x 256 channels over 4 layers, 1.8 MB per token; learned positions, since
+rotary embeddings need kv_channels x heads = hidden), a 32k vocabulary so a random
 model rarely ends early, short sequences, many prompts: the number of
 requests an engine can hold limits the rollout.
 
@@ -46,11 +47,12 @@ GiB = 2**30
 CUDA_CONTEXT = int(0.6 * GiB)  # a CUDA context on an H200 with torch 2.11 (not in torch's figures)
 # The rollout: P x G requests per rollout, 64-token sequences in 32-token blocks
 # (two blocks a request), one rollout per iteration.
-MODEL = ("--num-layers 28 --hidden-size 256 --num-attention-heads 64 --kv-channels 256 "
+MODEL = ("--num-layers 4 --hidden-size 256 --num-attention-heads 448 --kv-channels 256 "
          "--ffn-hidden-size 512 --seq-length 64 --max-position-embeddings 64 "
+         "--position-embedding-type learned_absolute "
          "--inference-max-seq-length 64 --inference-dynamic-batching-block-size 32 "
          "--grpo-prompts-per-step 64 --grpo-group-size 8 --global-batch-size 512 "
-         "--micro-batch-size 16 --use-distributed-optimizer --overlap-grad-reduce "
+         "--micro-batch-size 8 --use-distributed-optimizer --overlap-grad-reduce "
          "--overlap-param-gather").split()
 WRAPPER = ["--amem-vocab", "32000", "--amem-memory-trace", "0.05"]
 GROW = ["--rl-amem-grow-kv-cache"]
@@ -142,14 +144,27 @@ def _load(path: str):
 
 # --- the sub-commands ---------------------------------------------------------
 def run(args) -> int:
+    """Pairs, then the control; stops early (whole pairs only) when the next pair
+    would not end within ``--budget-s``, and at once when a run without the
+    package fails (the set-up is wrong: nothing after it would mean anything)."""
     runs.install_bundle()
     os.makedirs(args.out, exist_ok=True)
     port = 29700 + 20 * args.first
+    began, durations = time.monotonic(), []
     for index in range(args.first, args.first + args.pairs):
+        typical = statistics.median(durations) if durations else 0.0
+        if durations and time.monotonic() - began + 2 * typical > args.budget_s:
+            print(f"budget: stopping before pair {index}", flush=True)
+            break
         order = ("without", "with") if index % 2 == 0 else ("with", "without")
         for side in order:
-            one_run(args, f"pair{index}_{side}", side == "with", args.buffer_gb, port)
+            outcome = one_run(args, f"pair{index}_{side}", side == "with", args.buffer_gb, port)
+            durations.append(outcome["seconds"])
             port += 2
+            if side == "without" and outcome["rc"] != 0:
+                print("a run without the package failed: stopping", flush=True)
+                pack(args.out)
+                return 1
     if args.control:
         grown = [figures(p[:-len(".outcome.json")]).get("kv_bytes")
                  for p in glob.glob(os.path.join(args.out, "pair*_with.outcome.json"))]
@@ -259,6 +274,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-grow", action="store_true",
                         help="the package without --rl-amem-grow-kv-cache (critical path only)")
     parser.add_argument("--timeout", type=float, default=240.0)
+    parser.add_argument("--budget-s", type=float, default=1e9,
+                        help="start no pair that would end after this many seconds")
     args = parser.parse_args(argv)
     return {"run": run, "calibrate": calibrate, "merge": merge}[args.what](args)
 
