@@ -12,8 +12,8 @@ recompute. Every rank first takes a fixed allocation that stands for a larger
 model's weights and optimizer state (``--leave-gb``: what is left per rank for
 this run's model, optimizer, NCCL and KV cache); the KV buffer without the
 package (``--buffer-gb``) is then about the largest that fits. The model is
-built for a KV-heavy rollout: few layers and parameters, a wide KV (448 heads
-x 256 channels over 4 layers, 1.8 MB per token; learned positions, since
+built for a KV-heavy rollout: few layers and parameters, a wide KV (224 heads
+x 256 channels over 8 layers, 1.8 MB per token; learned positions, since
 rotary embeddings need kv_channels x heads = hidden), a 32k vocabulary so a random
 model rarely ends early, short sequences, many prompts: the number of
 requests an engine can hold limits the rollout.
@@ -47,7 +47,7 @@ GiB = 2**30
 CUDA_CONTEXT = int(0.6 * GiB)  # a CUDA context on an H200 with torch 2.11 (not in torch's figures)
 # The rollout: P x G requests per rollout, 64-token sequences in 32-token blocks
 # (two blocks a request), one rollout per iteration.
-MODEL = ("--num-layers 4 --hidden-size 256 --num-attention-heads 448 --kv-channels 256 "
+MODEL = ("--num-layers 8 --hidden-size 256 --num-attention-heads 224 --kv-channels 256 "
          "--ffn-hidden-size 512 --seq-length 64 --max-position-embeddings 64 "
          "--position-embedding-type learned_absolute "
          "--inference-max-seq-length 64 --inference-dynamic-batching-block-size 32 "

@@ -16,6 +16,8 @@ import sys
 import tempfile
 import time
 
+from tests.fake_nccl.tripwire import EXIT_CODE as FAKE_NCCL_EXIT, MARKER as FAKE_NCCL_MARKER
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -30,13 +32,18 @@ class RankFailure(AssertionError):
 
 
 def run_ranks(scenario: str, world: int = 2, timeout: float = 90.0, args: dict = None,
-              env: dict = None, expect_ok: bool = True) -> list:
+              env: dict = None, expect_ok: bool = True,
+              allow_fake_nccl_fatal: bool = False) -> list:
     """Run a scenario on ``world`` ranks; return their result dicts.
 
     ``scenario`` is a function name in tests.scenarios, or ``module:function``.
 
     Each result has ``rank``, ``returncode`` and whatever the scenario returned
-    (``result``), or ``error`` with the traceback.
+    (``result``), or ``error`` with the traceback. ``fake_nccl_fatal`` lists
+    the fake NCCL's tripwire lines of a rank that issued a collective on a
+    suspended communicator (it exited with code 86, as real NCCL would crash).
+    Such a rank fails the run even with ``expect_ok=False``, unless
+    ``allow_fake_nccl_fatal`` (the mutation check, which expects it).
     """
     out_dir = tempfile.mkdtemp(prefix=f"amem-{scenario.replace(':', '-')}-")
     port = free_port()
@@ -72,15 +79,27 @@ def run_ranks(scenario: str, world: int = 2, timeout: float = 90.0, args: dict =
         path = os.path.join(out_dir, f"rank{rank}.json")
         data = json.load(open(path)) if os.path.exists(path) else {}
         data.update(rank=rank, returncode=proc.returncode)
-        data["log"] = open(os.path.join(out_dir, f"rank{rank}.log")).read()[-6000:]
+        log = open(os.path.join(out_dir, f"rank{rank}.log"), errors="replace").read()
+        data["log"] = log[-6000:]
+        data["fake_nccl_fatal"] = [line for line in log.splitlines()
+                                   if line.startswith(FAKE_NCCL_MARKER)]
         results.append(data)
+    fatal = "".join(f"rank {r['rank']} (rc={r['returncode']}): {line}\n"
+                    for r in results for line in r["fake_nccl_fatal"])
+    if fatal:
+        fatal = ("a collective reached a suspended fake NCCL communicator (real NCCL "
+                 f"crashes there; the rank exited with {FAKE_NCCL_EXIT}):\n" + fatal)
     if hung:
-        raise RankFailure(f"scenario {scenario!r} hung past {timeout} s:\n"
+        raise RankFailure(f"scenario {scenario!r} hung past {timeout} s:\n" + fatal
                           + "\n".join(f"--- rank {r['rank']}\n{r['log']}" for r in results))
+    if fatal and not allow_fake_nccl_fatal:
+        raise RankFailure(f"scenario {scenario!r} failed:\n" + fatal + "\n".join(
+            f"--- rank {r['rank']} rc={r['returncode']}\n{r.get('error', '')}\n{r['log']}"
+            for r in results if r["fake_nccl_fatal"]))
     if expect_ok:
         bad = [r for r in results if r["returncode"] != 0 or "error" in r]
         if bad:
-            raise RankFailure(f"scenario {scenario!r} failed:\n" + "\n".join(
+            raise RankFailure(f"scenario {scenario!r} failed:\n" + fatal + "\n".join(
                 f"--- rank {r['rank']} rc={r['returncode']}\n{r.get('error', '')}\n{r['log']}"
                 for r in bad))
     return results

@@ -22,7 +22,8 @@ from amem_callbacks import OffloadPolicy, name_group
 from amem_callbacks.backends.nccl import NcclBackend
 from amem_callbacks.errors import SuspendedGroupError
 from amem_callbacks.nccl_library import NcclLibrary
-from tests.fake_nccl import RESUME_OP, SUSPEND_OP, FakeControls, build
+from tests import mutations
+from tests.fake_nccl import RESUME_OP, SUSPEND_OP, FakeControls, build, tripwire
 from tests.random_program import run_random_program
 
 SCENARIOS = {}
@@ -45,9 +46,17 @@ def init(timeout_s: float = 60):
 
 
 class FakeNccl:
-    """A fake NCCL communicator behind every gloo group of this process."""
+    """A fake NCCL communicator behind every gloo group of this process.
+
+    Every group mapped here is also registered with the tripwire
+    (tests/fake_nccl/tripwire.py): a collective that reaches the group's gloo
+    backend while its fake communicator is suspended ends the process, as real
+    NCCL would.
+    """
 
     def __init__(self, variant: str = "suspend", sizes: dict = None, default_mib: int = 480):
+        tripwire.install()  # idempotent; main() installs it first for every scenario
+        self.variant = variant
         self.path = build(variant, os.environ.get("AMEM_FAKE_NCCL_DIR"))
         self.controls = FakeControls(self.path)
         self.library = NcclLibrary.open(self.path)
@@ -63,6 +72,8 @@ class FakeNccl:
         if name not in self.comms:
             size = self.sizes.get(name, self.default_mib)
             self.comms[name] = self.controls.create(int(size * MiB))
+        tripwire.register(group, self.controls, self.comms[name], name,
+                          amem=self.variant == "amem")
         return self.comms[name], None
 
     def backend(self) -> NcclBackend:
@@ -402,8 +413,6 @@ def interleave(args):
     ever reach a suspended communicator, and every result is exact."""
     import random
 
-    from torch.distributed import distributed_c10d as c10d
-
     init()
     groups = make_groups(dist.get_world_size())
     for g in groups.values():
@@ -411,17 +420,11 @@ def interleave(args):
     fake = FakeNccl()
     for g in groups.values():
         fake.controls.delay(fake.handle_of(g)[0], args.get("delay_us", 30000))
+    # No spy needed: the fake NCCL's tripwire sits beneath the guard, on every
+    # c10d op, and ends this rank (exit 86, tests.harness names the call) if
+    # any collective reaches a suspended communicator. A rank that gets to the
+    # return below had none.
     violations = []
-    original = c10d.all_reduce
-
-    def spy(tensor, *a, **kw):  # sits under the guard: sees what reaches the backend
-        group = kw.get("group") or dist.group.WORLD
-        name = next((n for n, g in groups.items() if g is group), None)
-        if name and fake.controls.suspended(fake.comms[name]):
-            violations.append(name)
-        return original(tensor, *a, **kw)
-
-    c10d.all_reduce = dist.all_reduce = spy
     policy = OffloadPolicy(backend=fake.backend(), keep=["tp"], overlap=args.get("overlap", True),
                            workers=args.get("workers", 1), agree_timeout_s=30, timeout_s=60)
     same = random.Random(args.get("seed", 0))  # identical on every rank: same call order
@@ -564,6 +567,9 @@ def main() -> None:
 
     faulthandler.enable()  # a crash prints every thread's Python stack into the rank log
     name, args = sys.argv[1], json.loads(sys.argv[2])
+    tripwire.install()  # beneath anything the scenario or the package installs
+    if os.environ.get(mutations.ENV):  # test_mutations.py only: a deliberately broken package
+        mutations.apply(os.environ[mutations.ENV])
     logging.basicConfig(level=logging.INFO, format=f"[rank {os.environ['RANK']}] %(message)s")
     out_path = os.path.join(os.environ["AMEM_TEST_OUT"], f"rank{os.environ['RANK']}.json")
     if ":" in name:  # "tests.other_module:function" for scenarios kept elsewhere

@@ -65,6 +65,28 @@ class FakeControls:
     def suspended(self, comm: int) -> bool:
         return bool(self.lib.fakeCommSuspended(comm))
 
+    def amem_paused(self) -> bool:
+        """The AMem build's process-wide pause (False for the other builds)."""
+        paused = getattr(self, "_amem_paused", None)
+        if paused is None:
+            try:
+                paused = self.lib.fakeAmemPaused
+            except AttributeError:
+                paused = False
+            self._amem_paused = paused
+        return bool(paused()) if paused else False
+
+    def suspend(self, comm: int) -> int:
+        """ncclCommSuspend(comm, 1) as the package calls it; returns the result code."""
+        fn = self.lib.ncclCommSuspend
+        fn.argtypes = (ctypes.c_void_p, ctypes.c_int)
+        return fn(comm, 1)
+
+    def resume(self, comm: int) -> int:
+        fn = self.lib.ncclCommResume
+        fn.argtypes = (ctypes.c_void_p,)
+        return fn(comm)
+
     def count(self, comm: int, op: int) -> int:
         return self.lib.fakeCommCount(comm, op)
 

@@ -1,10 +1,13 @@
-"""Reliability on real NCCL, 2 ranks: faults, bad set-ups and long runs.
+"""Reliability on real NCCL, 2 ranks (3 for the faults inside the NCCL call):
+faults, bad set-ups and long runs.
 
-Command (2 GPUs; NCCL >= 2.29.7 preloaded, e.g. the output of ../shared/tools/device-nccl):
-    LD_PRELOAD=/tmp/nccl/libnccl.so.2 PYTHONPATH=$PWD python3 tests/gpu/reliability_gpu.py OUT.json
+Command (2 GPUs; NCCL >= 2.29.7 preloaded, e.g. the output of ../shared/tools/device-nccl;
+one GPU with NCCL >= 2.30, NCCL_MULTI_RANK_GPU_ENABLE=1 is set here); CASE names pick a subset:
+    LD_PRELOAD=/tmp/nccl/libnccl.so.2 PYTHONPATH=$PWD python3 tests/gpu/reliability_gpu.py \\
+        OUT.json [CASE ...]
 
-This file is both the driver and the rank program. The driver starts two rank
-processes per case (its own launcher, so that each case can change the
+This file is both the driver and the rank program. The driver starts the rank
+processes of each case (its own launcher, so that each case can change the
 environment NCCL sees, e.g. drop the preload or set NCCL_CUMEM_ENABLE=0),
 bounds every case by a wall-clock limit (a hang is a failure, not a stuck job),
 and writes one JSON table: case, what must hold, pass/fail, seconds, details.
@@ -18,10 +21,12 @@ the fake NCCL of tests/fake_nccl (a check of this script, not a GPU result).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -36,13 +41,30 @@ CPU = os.environ.get("AMEM_RELIABILITY_CPU") == "1"
 QUICK = os.environ.get("AMEM_GPU_QUICK") == "1"
 MiB = 2**20
 
-CASES = {}  # name -> (function, what must hold, wall limit s, environment changes)
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    fn: object
+    must_hold: str
+    limit_s: float
+    env: dict
+    ranks: int = 2
+    #: driver-side fault, run on a thread while the ranks run:
+    #: ``during(procs, out_dir, facts)`` fills ``facts``; ``facts["ok"] is False`` fails the case
+    during: object = None
+    #: ranks that die on purpose: not judged, and nobody waits for them at the end
+    victims: tuple = ()
+    #: survivors try dist.destroy_process_group() (bounded) before os._exit, and say how it went
+    exit_probe: bool = False
 
 
-def case(must_hold: str, limit_s: float, env: dict = None, gpu_only: bool = False):
+CASES = {}  # name -> Case
+
+
+def case(must_hold: str, limit_s: float, env: dict = None, gpu_only: bool = False, **more):
     def register(fn):
         if not (gpu_only and CPU):
-            CASES[fn.__name__] = (fn, must_hold, limit_s, env or {})
+            CASES[fn.__name__] = Case(fn, must_hold, limit_s, env or {}, **more)
         return fn
     return register
 
@@ -69,6 +91,7 @@ class Rank:
         self.rank = dist.get_rank()
         self.sync = dist.new_group(backend="gloo")  # barriers while NCCL groups sleep
         self._fake = None
+        self.out_dir = None  # the case's folder: markers for the driver, results
 
     def groups(self, *roles: str) -> dict:
         """New groups over all ranks named by role, each communicator created."""
@@ -94,11 +117,15 @@ class Rank:
     def backend(self, name: str = "nccl"):
         if not CPU:
             return name
+        return self.fake().backend()
+
+    def fake(self):
+        """CPU mode: the fake NCCL behind every gloo group of this process."""
         if self._fake is None:
             from tests.scenarios import FakeNccl
 
             self._fake = FakeNccl(default_mib=64)
-        return self._fake.backend()
+        return self._fake
 
     def free(self) -> int:
         if CPU:
@@ -145,25 +172,29 @@ def interleavings(r: Rank, seeds: int = 4 if QUICK else 20, actions: int = 12) -
     the guard and records any call that reaches a group the policy has not
     finished resuming; a call that reached a suspended NCCL communicator would
     kill the process (then the case fails by its exit code)."""
-    from torch.distributed import distributed_c10d as c10d
-
     from amem_callbacks.states import Status
     from tests.random_program import run_random_program
 
     groups = r.groups("dp", "ep", "tp")
     current = {}
-    violations = []
-    original = c10d.all_reduce
+    violations, spied = [], []
+    cls = r.dist.ProcessGroup
+    raw = cls.__dict__["allreduce"]  # put back as it was
+    original = cls.allreduce
 
-    def spy(tensor, *args, **kwargs):
+    # The guard wraps ProcessGroup methods at class level while a group is watched,
+    # and calls whatever method it found there: set first, the spy runs under it
+    # and sees exactly the calls the guard let through to the communicator.
+    def spy(group, *args, **kwargs):
         policy = current.get("policy")
-        group = kwargs.get("group")
-        state = policy._engine._state_of(group) if policy and policy._engine and group else None
+        engine = policy._transitions if policy else None
+        state = engine._state_of(group) if engine else None
+        spied.append(1)
         if state is not None and state.status is not Status.ACTIVE:
             violations.append(state.info.name)
-        return original(tensor, *args, **kwargs)
+        return original(group, *args, **kwargs)
 
-    c10d.all_reduce = r.dist.all_reduce = spy  # the guard, installed later, wraps the spy
+    cls.allreduce = spy
     runs = []
     try:
         for seed in range(seeds):
@@ -182,9 +213,10 @@ def interleavings(r: Rank, seeds: int = 4 if QUICK else 20, actions: int = 12) -
                          "failures": policy.counters.failures})
             r.barrier()
     finally:
-        c10d.all_reduce = r.dist.all_reduce = original
+        cls.allreduce = raw
     ok = not violations and all(run["exact"] and not run["failures"] for run in runs)
-    return {"ok": ok and len(runs) == seeds, "violations": violations, "runs": runs,
+    return {"ok": ok and len(runs) == seeds and bool(spied), "violations": violations,
+            "all_reduces_seen_by_the_spy": len(spied), "runs": runs,
             "total_suspends": sum(run["suspends"] for run in runs),
             "total_auto_resumes": sum(run["auto_resumes"] for run in runs)}
 
@@ -360,7 +392,7 @@ def amem_unusable(r: Rank) -> dict:
 
 @case("a rank dies while groups are suspended: the survivor fails with an error naming "
       "the groups within twice the c10d timeout (30 s) plus the agreement timeout (10 s), "
-      "no hang", 200)
+      "no hang", 200, victims=(1,))
 def rank_dies(r: Rank) -> dict:
     groups = r.groups("dp", "ep", "tp")
     policy = r.policy(keep=["tp"], groups=list(groups.values()), agree_timeout_s=10)
@@ -393,16 +425,246 @@ def rank_dies(r: Rank) -> dict:
     return outcome
 
 
+# --- faults inside the NCCL call ------------------------------------------
+# ncclCommSuspend starts with a bootstrap barrier over the communicator's ranks,
+# and ncclCommResume restores its local buffers and then waits in one. So a
+# rank that enters first waits inside the call for the others: the victim
+# (the last rank; rank 0 hosts the c10d store and must live) enters at once,
+# the survivors 2 s later, and the driver kills the victim 0.2 s after its
+# marker, while it waits in the barrier. The survivors then enter a barrier
+# whose peer is dead: NCCL either fails the call (the peer's socket closed) or
+# waits forever; the policy's deadline bounds the second case.
+# On CPU the fake NCCL has no barrier: its gate (suspend) and delay (resume)
+# hold every rank inside the call the way the barrier would.
+KILL_AFTER_S = float(os.environ.get("AMEM_KILL_AFTER_S", "0.2"))
+LATE_S = 2.0  # how much later than the victim the survivors enter the NCCL call
+FAULT_TIMEOUT_S, FAULT_AGREE_S = (8.0, 4.0) if CPU else (20.0, 10.0)
+FAULT_BOUND_S = FAULT_TIMEOUT_S + 2 * FAULT_AGREE_S + 5  # timeout_s + agreement + slack
+STOP_S = 2.5 * FAULT_AGREE_S + 3  # longer than both agreement deadlines
+RESTART_NOTE = (
+    "What a restarted job needs: every rank restarts (the launcher relaunches the whole job, "
+    "e.g. torchrun --max-restarts, or the job fails and is resubmitted) and resumes from its "
+    "last checkpoint. A member died inside ncclCommSuspend/Resume, so on the survivors that "
+    "communicator is stuck in NCCL's barrier (a worker thread stays inside the call) or failed "
+    "half-way, its buffers released or restored on some ranks only: it cannot be resumed, "
+    "reused or safely destroyed, only abandoned with the process. The survivors end their "
+    "process after the error (here: os._exit after writing the result); the new job creates "
+    "fresh communicators and a fresh OffloadPolicy (learned keeps start empty). Not covered: "
+    "the death of rank 0, which hosts the c10d store the agreement uses.")
+
+
+def _mark(r: Rank, event: str) -> None:
+    with open(os.path.join(r.out_dir, f"rank{r.rank}.{event}"), "w") as f:
+        f.write(repr(time.time()))
+
+
+def _faulty_backend(r: Rank, op: str, victim: int):
+    """The nccl backend, its ``op`` ("suspend" or "resume") staged: the victim
+    marks entering and leaving the call, the survivors enter LATE_S later."""
+    from amem_callbacks.backends.nccl import NcclBackend
+
+    fake = r.fake() if CPU else None
+
+    class Faulty(NcclBackend):
+        def suspend(self, handle):
+            self._staged("suspend", handle, super().suspend)
+
+        def resume(self, handle):
+            self._staged("resume", handle, super().resume)
+
+        def _staged(self, name, handle, call):
+            if name != op:
+                return call(handle)
+            if r.rank == victim:
+                _mark(r, f"in-{name}")
+            else:
+                time.sleep(LATE_S)
+            if fake is not None:  # hold the call as NCCL's barrier would
+                if name == "suspend":
+                    fake.controls.set_gate(handle)
+                else:
+                    fake.controls.delay(handle, 60_000_000)
+            call(handle)
+            if r.rank == victim:
+                _mark(r, f"out-{name}")
+
+    return Faulty(library=fake.library, handle_of=fake.handle_of) if fake else Faulty()
+
+
+def _kill_inside(op: str):
+    """Driver side: SIGKILL the victim KILL_AFTER_S after it entered ``op``."""
+    def during(procs, out_dir, facts):
+        victim = len(procs) - 1
+        entered = os.path.join(out_dir, f"rank{victim}.in-{op}")
+        left = os.path.join(out_dir, f"rank{victim}.out-{op}")
+        start = time.monotonic()
+        while not os.path.exists(entered):
+            if procs[victim].poll() is not None or time.monotonic() - start > 240:
+                facts.update(ok=False, why=f"rank {victim} never entered the {op} call")
+                return
+            time.sleep(0.005)
+        seen = time.monotonic()
+        time.sleep(KILL_AFTER_S)
+        inside = not os.path.exists(left) and procs[victim].poll() is None
+        os.kill(procs[victim].pid, signal.SIGKILL)
+        facts.update(victim=victim, killed_s_after_entry=round(time.monotonic() - seen, 3),
+                     inside_call_at_kill=inside)
+        if not inside:
+            facts.update(ok=False, why=f"the kill landed after the {op} call returned: rerun "
+                                       "with AMEM_KILL_AFTER_S=0")
+    return during
+
+
+def _kill_case(r: Rank, op: str) -> dict:
+    victim = r.dist.get_world_size() - 1
+    groups = r.groups("dp", "ep", "tp")
+    policy = r.policy(backend=_faulty_backend(r, op, victim), keep=["tp"], workers=1,
+                      groups=list(groups.values()), timeout_s=FAULT_TIMEOUT_S,
+                      agree_timeout_s=FAULT_AGREE_S)
+    lines = WarningLines()
+    if op == "resume":
+        policy.begin("rollout")  # suspends as usual: only the resume is staged
+        r.barrier()
+    start = time.monotonic()
+    outcome = {"victim": victim, "bound_s": FAULT_BOUND_S, "timeout_s": FAULT_TIMEOUT_S,
+               "agree_timeout_s": FAULT_AGREE_S, "survivors_late_s": LATE_S}
+    try:  # the victim is killed in here
+        report = policy.begin("rollout") if op == "suspend" else policy.end("rollout")
+        outcome["returned"] = {g.name: [g.action, g.error or g.reason] for g in report.groups}
+    except Exception as exc:  # noqa: BLE001 - what the survivor sees is the result
+        outcome["raised"] = f"{type(exc).__name__}: {exc}"
+    outcome["call_s"] = round(time.monotonic() - start, 2)
+    print(f"rank {r.rank}: {op} gave {outcome} after {outcome['call_s']} s", flush=True)
+    state = policy._transitions._state_of(groups["dp"])
+    if state is not None:  # the guard holds the group: the next call must raise, not hang
+        began = time.monotonic()
+        try:
+            r.exact(groups["dp"], 1.0)
+            outcome["next_call"] = "returned"
+        except Exception as exc:  # noqa: BLE001
+            outcome["next_call"] = f"{type(exc).__name__}: {exc}"
+        outcome["next_call_s"] = round(time.monotonic() - began, 2)
+    else:  # marked active after NCCL's error: a call would wait in NCCL for the dead peer
+        outcome["next_call"] = ("not tried: the group is marked active, so a call would reach "
+                                "NCCL and wait for the dead peer until the c10d timeout")
+    outcome["log_lines"] = lines.lines
+    lines.close()
+    raised = outcome.get("raised", "")
+    returned = {n: v for n, v in outcome.get("returned", {}).items() if n != "tp"}
+    # Either outcome names the groups and is bounded; only the first raises. With the
+    # second, begin/end return and a caller that ignores the report meets the dead peer
+    # at its next collective on that group (torch's c10d timeout then ends it).
+    timed_out = "TransitionTimeout" in raised and any(f"'{g}'" in raised for g in ("dp", "ep"))
+    nccl_failed = bool(returned) and all(v[0] == "failed" for v in returned.values())
+    outcome["survivor_saw"] = (
+        "TransitionTimeout naming the groups (the policy's deadline)" if timed_out else
+        "NCCL failed the call (dead peer): the groups FAILED in the report, one ERROR line "
+        "each, no exception" if nccl_failed else raised or "no error")
+    outcome["restart"] = RESTART_NOTE
+    outcome["ok"] = ((timed_out or nccl_failed) and outcome["call_s"] <= FAULT_BOUND_S
+                     and outcome.get("next_call") != "returned")
+    return outcome
+
+
+@case(f"a rank is SIGKILLed inside ncclCommSuspend (3 ranks): each survivor gets an error "
+      f"naming the groups within timeout_s + 2 x agree_timeout_s + 5 s ({FAULT_BOUND_S:g} s), "
+      "no hang; the survivor process can still exit", 150, ranks=3, victims=(2,),
+      during=_kill_inside("suspend"), exit_probe=True)
+def kill_in_suspend(r: Rank) -> dict:
+    return _kill_case(r, "suspend")
+
+
+@case(f"a rank is SIGKILLed inside ncclCommResume (3 ranks): each survivor gets an error "
+      f"naming the groups within {FAULT_BOUND_S:g} s, the next call on the group raises, no "
+      "hang; the survivor process can still exit", 180, ranks=3, victims=(2,),
+      during=_kill_inside("resume"), exit_probe=True)
+def kill_in_resume(r: Rank) -> dict:
+    return _kill_case(r, "resume")
+
+
+def _stop_at_begin(procs, out_dir, facts):
+    """Driver side: SIGSTOP the victim as it reaches begin, SIGCONT it STOP_S later."""
+    victim = len(procs) - 1
+    marker = os.path.join(out_dir, f"rank{victim}.at-begin")
+    start = time.monotonic()
+    while not os.path.exists(marker):
+        if procs[victim].poll() is not None or time.monotonic() - start > 240:
+            facts.update(ok=False, why=f"rank {victim} never reached begin")
+            return
+        time.sleep(0.005)
+    os.kill(procs[victim].pid, signal.SIGSTOP)
+    time.sleep(STOP_S)
+    os.kill(procs[victim].pid, signal.SIGCONT)
+    facts.update(victim=victim, stopped_s=STOP_S)
+
+
+@case(f"a rank is SIGSTOPped at begin for {STOP_S:g} s (longer than the agreement timeout "
+      "of both leader and members), then continued (3 ranks): the others' begin returns "
+      "within the agreement timeout keeping every group (no hang, nothing suspended under a "
+      "stopped peer); the stopped rank's begin then keeps them too, saying it was late; the "
+      "next cycle suspends and resumes as usual, every result exact", 150, ranks=3,
+      during=_stop_at_begin)
+def stop_in_begin(r: Rank) -> dict:
+    victim = r.dist.get_world_size() - 1
+    groups = r.groups("dp", "ep", "tp")
+    policy = r.policy(keep=["tp"], groups=list(groups.values()), timeout_s=FAULT_TIMEOUT_S,
+                      agree_timeout_s=FAULT_AGREE_S)
+    # A first cycle with everyone on time: the first begin also agrees on the backend,
+    # and a rank late there leaves the policy inert on every rank for good (seen in
+    # CPU mode: "not every rank can use backend 'nccl' (rank(s) [2] did not reach ...)").
+    policy.begin("rollout")
+    r.barrier()
+    policy.end("rollout")
+    setup_ok = all(r.exact(g, 1.0) for g in groups.values()) and not policy.inert
+    r.barrier()
+    if r.rank == victim:
+        _mark(r, "at-begin")
+        time.sleep(0.5)  # stopped here by the driver, before it votes (gloo-free)
+    start = time.monotonic()
+    begin = policy.begin("rollout")
+    begin_s = time.monotonic() - start
+    kept = {g.name: g.reason for g in begin.kept}
+    policy.end("rollout")
+    r.barrier()  # over gloo: waits for the stopped rank
+    exact_after = all(r.exact(g, 2.0) for g in groups.values())
+    second = policy.begin("rollout")  # everyone on time again: the rounds still line up
+    exact_during = r.exact(groups["tp"], 3.0)
+    r.barrier()
+    policy.end("rollout")
+    exact_second = all(r.exact(g, 4.0) for g in groups.values())
+    late_named = all(f"[{victim}]" in reason and "did not reach" in reason
+                     for name, reason in kept.items() if name != "tp")
+    result = {"victim": victim, "i_am_victim": r.rank == victim, "setup_cycle_ok": setup_ok,
+              "begin_s": round(begin_s, 2),
+              "stopped_s": STOP_S, "agree_timeout_s": FAULT_AGREE_S,
+              "first_begin": group_actions(begin), "kept_reasons": kept,
+              "second_begin": group_actions(second), "exact_after": exact_after,
+              "exact_during_second": exact_during, "exact_after_second": exact_second,
+              "suspends": policy.counters.group_suspends}
+    if r.rank == victim:
+        result["what_the_stopped_rank_sees"] = (
+            f"begin returned after {begin_s:.2f} s, no error: every group kept, reason "
+            f"{kept.get('dp')!r}")
+    on_time = r.rank == victim or begin_s <= 2 * FAULT_AGREE_S + 3 < STOP_S
+    result["ok"] = (setup_ok and on_time and not begin.suspended and kept.keys() >= {"dp", "ep"}
+                    and late_named and exact_after
+                    and exact_during and exact_second
+                    and set(n for n, a in result["second_begin"].items() if a == "suspended")
+                    == {"dp", "ep"})
+    return result
+
+
 # --- rank process --------------------------------------------------------
 def rank_main(name: str, out_dir: str) -> None:
     sys.path.insert(0, ROOT)
-    fn, _must, limit_s, _env = CASES[name]
+    spec = CASES[name]
     import faulthandler
 
-    faulthandler.dump_traceback_later(max(5, limit_s - 20))  # a hang leaves every stack in the log
-    r = Rank(c10d_timeout_s=30 if name == "rank_dies" else limit_s)
+    faulthandler.dump_traceback_later(max(5, spec.limit_s - 20))  # a hang leaves every stack
+    r = Rank(c10d_timeout_s=30 if name == "rank_dies" else spec.limit_s)
+    r.out_dir = out_dir
     try:
-        result = fn(r)
+        result = spec.fn(r)
     except Exception as exc:  # recorded, and the exit code says it failed
         import traceback
 
@@ -410,12 +672,51 @@ def rank_main(name: str, out_dir: str) -> None:
                   "traceback": traceback.format_exc()}
     with open(os.path.join(out_dir, f"rank{r.rank}.json"), "w") as f:
         json.dump(result, f, default=str)
-    try:
-        r.barrier()  # both results written before either process leaves
-    except Exception:
-        pass
+    if spec.exit_probe:
+        _exit_probe(r)
+    elif not spec.victims:
+        try:
+            r.barrier()  # every result written before any process leaves
+        except Exception:
+            pass
     sys.stdout.flush()
     os._exit(0 if result.get("ok") is not False else 1)
+
+
+def _exit_probe(r: Rank) -> None:
+    """Can a survivor leave normally while a worker thread may sit inside NCCL?
+    Try destroy_process_group() on a thread (it may wait for the stuck group up to
+    timeout_s) and write what happened;
+    faulthandler's watchdog (a C thread, no GIL needed) ends the process if
+    the attempt blocks while holding the GIL. The caller then os._exit()s."""
+    import faulthandler
+
+    path = os.path.join(r.out_dir, f"rank{r.rank}.exit.json")
+
+    def note(text):
+        with open(path, "w") as f:
+            json.dump({"destroy_process_group": text}, f)
+
+    wait_s = FAULT_TIMEOUT_S + 5
+    note(f"called; the process ended inside it (a crash, or faulthandler's {wait_s + 10:g} s "
+         "watchdog: see the exit code)")
+    faulthandler.dump_traceback_later(wait_s + 10, exit=True)
+    done, errors, start = threading.Event(), [], time.monotonic()
+
+    def destroy():
+        try:
+            r.dist.destroy_process_group()
+        except Exception as exc:  # noqa: BLE001
+            errors.append(f"{type(exc).__name__}: {exc}")
+        done.set()
+
+    threading.Thread(target=destroy, daemon=True).start()
+    if done.wait(wait_s):
+        note(f"returned in {time.monotonic() - start:.1f} s"
+             + (f", raising {errors[0]}" if errors else ""))
+    else:
+        note(f"still blocked after {wait_s:g} s (the process then left with os._exit)")
+    faulthandler.cancel_dump_traceback_later()
 
 
 # --- driver --------------------------------------------------------------
@@ -426,15 +727,15 @@ def _free_port() -> int:
 
 
 def run_case(name: str) -> dict:
-    _fn, must_hold, limit_s, env_changes = CASES[name]
+    spec = CASES[name]
     out_dir = tempfile.mkdtemp(prefix=f"amem-rel-{name}-")
     port = _free_port()
     procs, logs = [], []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+    for rank in range(spec.ranks):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(spec.ranks),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_MULTI_RANK_GPU_ENABLE="1",
                    PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        for key, value in env_changes.items():
+        for key, value in spec.env.items():
             if value is None:
                 env.pop(key, None)
             else:
@@ -445,35 +746,52 @@ def run_case(name: str) -> dict:
                                        name, out_dir], env=env, stdout=log,
                                       stderr=subprocess.STDOUT))
     start = time.monotonic()
+    facts = {}  # what the driver-side fault did
+    fault = None
+    if spec.during is not None:
+        fault = threading.Thread(target=spec.during, args=(procs, out_dir, facts), daemon=True)
+        fault.start()
     hung = False
     for proc in procs:
         try:
-            proc.wait(timeout=max(1.0, limit_s - (time.monotonic() - start)))
+            proc.wait(timeout=max(1.0, spec.limit_s - (time.monotonic() - start)))
         except subprocess.TimeoutExpired:
             hung = True
     for proc in procs:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    if fault is not None:
+        fault.join(5)
     for log in logs:
         log.close()
     seconds = time.monotonic() - start
-    ranks = []
-    for rank in range(2):
+    ranks, exits = [], {}
+    for rank in range(spec.ranks):
         path = os.path.join(out_dir, f"rank{rank}.json")
         ranks.append(json.load(open(path)) if os.path.exists(path) else None)
-    tails = [open(os.path.join(out_dir, f"rank{k}.log")).read()[-3000:] for k in range(2)]
-    considered = ranks[:1] if name == "rank_dies" else ranks  # rank 1 dies on purpose there
+        path = os.path.join(out_dir, f"rank{rank}.exit.json")
+        if os.path.exists(path):
+            exits[rank] = json.load(open(path))["destroy_process_group"]
+    tails = [open(os.path.join(out_dir, f"rank{k}.log")).read()[-3000:] for k in range(spec.ranks)]
+    # ranks that die on purpose are not judged
+    considered = [res for rank, res in enumerate(ranks) if rank not in spec.victims]
     verdicts = [None if res is None else res.get("ok") for res in considered]
-    if hung:
+    if hung or facts.get("ok") is False:
         ok = False
     elif any(v is None for v in verdicts) and all(res is not None for res in considered):
         ok = None  # not applicable here
     else:
         ok = all(v is True for v in verdicts)
-    row = {"case": name, "must_hold": must_hold, "ok": ok, "seconds": round(seconds, 1),
-           "hung_past_limit_s": limit_s if hung else None,
+    row = {"case": name, "must_hold": spec.must_hold, "ok": ok, "seconds": round(seconds, 1),
+           "hung_past_limit_s": spec.limit_s if hung else None,
            "exit_codes": [p.returncode for p in procs], "ranks": ranks}
+    if spec.during is not None:
+        row["driver"] = facts
+    if spec.exit_probe:
+        row["survivor_exit"] = {rank: f"destroy_process_group(): {text}; then os._exit(0) "
+                                      f"(exit code {procs[rank].returncode})"
+                                for rank, text in exits.items()}
     if not ok:
         row["log_tails"] = tails
     return row
@@ -494,7 +812,7 @@ def driver(out_path: str, only: list) -> int:
     rows = []
     for name in names:
         if name == "old_nccl" and not CPU and torch.cuda.device_count() < 2:
-            rows.append({"case": name, "must_hold": CASES[name][1], "ok": None, "seconds": 0,
+            rows.append({"case": name, "must_hold": CASES[name].must_hold, "ok": None, "seconds": 0,
                          "skipped": "torch's own NCCL (2.28.9) refuses two ranks on one GPU: "
                                     "this case needs two GPUs"})
             continue
