@@ -52,7 +52,7 @@ MODEL = ("--num-layers 8 --hidden-size 256 --num-attention-heads 224 --kv-channe
          "--position-embedding-type learned_absolute "
          "--inference-max-seq-length 64 --inference-dynamic-batching-block-size 32 "
          "--grpo-prompts-per-step 64 --grpo-group-size 8 --global-batch-size 512 "
-         "--micro-batch-size 8 --use-distributed-optimizer --overlap-grad-reduce "
+         "--micro-batch-size 1 --use-distributed-optimizer --overlap-grad-reduce "
          "--overlap-param-gather").split()
 WRAPPER = ["--amem-vocab", "32000", "--amem-memory-trace", "0.05"]
 GROW = ["--rl-amem-grow-kv-cache"]
@@ -74,6 +74,7 @@ def one_run(args, name: str, amem: bool, buffer_gb: float, port: int, standin: b
     print(f"{name}: rc={outcome['rc']} in {outcome['seconds']} s", flush=True)
     with open(prefix + ".outcome.json", "w") as f:
         json.dump(outcome, f, indent=1)
+    pack(args.out, args.pack_to)  # what has run so far survives a cut-off call
     return outcome
 
 
@@ -163,7 +164,6 @@ def run(args) -> int:
             port += 2
             if side == "without" and outcome["rc"] != 0:
                 print("a run without the package failed: stopping", flush=True)
-                pack(args.out)
                 return 1
     if args.control:
         grown = [figures(p[:-len(".outcome.json")]).get("kv_bytes")
@@ -171,7 +171,6 @@ def run(args) -> int:
         grown = [g for g in grown if g]
         buffer_gb = (max(grown) / GiB) if grown else args.buffer_gb + args.control_extra_gb
         one_run(args, "control", False, round(buffer_gb, 2), port)
-    pack(args.out)
     return 0
 
 
@@ -198,7 +197,6 @@ def calibrate(args) -> int:
         json.dump(result, f, indent=1, default=str)
     print(json.dumps({k: result.get(k) for k in ("rc", "seconds", "need_gib_per_rank",
                                                  "leave_gb")}), flush=True)
-    pack(args.out)
     return 0
 
 
@@ -247,12 +245,14 @@ def merge(args) -> int:
     return 0
 
 
-def pack(out: str) -> None:
+def pack(out: str, to: str = None) -> None:
     """One archive: the device tool brings back at most 8 files."""
-    with tarfile.open(os.path.join(out, "runs.tgz"), "w:gz") as tar:
+    target = os.path.join(to or out, "runs.tgz")
+    with tarfile.open(target + ".part", "w:gz") as tar:
         for path in sorted(glob.glob(os.path.join(out, "**", "*"), recursive=True)):
-            if not path.endswith("runs.tgz") and os.path.isfile(path):
+            if not path.endswith((".tgz", ".part")) and os.path.isfile(path):
                 tar.add(path, arcname=os.path.relpath(path, out))
+    os.replace(target + ".part", target)
 
 
 def main(argv=None) -> int:
@@ -274,6 +274,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-grow", action="store_true",
                         help="the package without --rl-amem-grow-kv-cache (critical path only)")
     parser.add_argument("--timeout", type=float, default=240.0)
+    parser.add_argument("--pack-to", default=None, help="also keep runs.tgz up to date here")
     parser.add_argument("--budget-s", type=float, default=1e9,
                         help="start no pair that would end after this many seconds")
     args = parser.parse_args(argv)
