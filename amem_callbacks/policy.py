@@ -10,10 +10,12 @@ on its worker thread, and the backend calls NCCL through ctypes there
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import threading
 import time
+import weakref
 from typing import Optional
 
 from .backends import select_backend
@@ -26,6 +28,25 @@ from .states import GuardMode, Kind
 from .transitions import Transitions
 
 logger = logging.getLogger("amem_callbacks")
+
+#: policies with a transition that may still run when the interpreter exits
+_live: "weakref.WeakSet" = weakref.WeakSet()
+EXIT_WAIT_S = 30.0
+
+
+@atexit.register
+def _finish_before_exit() -> None:
+    """An overlapped end may still be exchanging outcomes over the c10d store
+    when the program returns: let it finish (bounded) rather than have the
+    interpreter tear down the store under the worker thread (measured on CPU:
+    "terminate called without an active exception", an abort at exit)."""
+    for policy in list(_live):
+        task = policy._pending
+        if task is not None:
+            try:
+                task.wait(EXIT_WAIT_S)
+            except Exception:  # exiting anyway; the transition's own log says what failed
+                pass
 
 
 class OffloadPolicy:
@@ -246,6 +267,7 @@ class OffloadPolicy:
     def _run(self, submitted, report: TransitionReport) -> TransitionReport:
         self.last_report = report
         self._pending = submitted.task
+        _live.add(self)
         if not self.options.overlap or submitted.must_wait:
             self._wait_pending()
         return report
