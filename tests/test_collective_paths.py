@@ -15,13 +15,16 @@ TORCH = [
     ("torch.distributed.distributed_c10d", "destroy_process_group", "the guard forgets the group"),
     ("torch.distributed.distributed_c10d", "batch_isend_irecv", "pipeline p2p"),
 ]
-#: the ProcessGroup methods torch's own functions call (torch 2.13 names; 2.11's
-#: _allgather_base / *_tensor_coalesced still exist and are wrapped too)
-PROCESS_GROUP_METHODS = ["allreduce", "allreduce_coalesced", "allgather", "allgather_coalesced",
-                         "all_gather_single", "all_gather_single_coalesced", "reduce_scatter",
-                         "reduce_scatter_single", "reduce_scatter_single_coalesced",
-                         "all_to_all_single", "alltoall", "broadcast", "reduce", "gather",
-                         "scatter", "barrier", "send", "recv", "recv_anysource", "split_group"]
+#: the ProcessGroup methods torch's own functions call; where torch renamed one,
+#: the alternatives (torch 2.13 name first, the 2.11 one after)
+PROCESS_GROUP_METHODS = [
+    ("allreduce",), ("allreduce_coalesced",), ("allgather",), ("allgather_coalesced",),
+    ("all_gather_single", "_allgather_base"),
+    ("all_gather_single_coalesced", "allgather_into_tensor_coalesced"),
+    ("reduce_scatter",), ("reduce_scatter_single", "_reduce_scatter_base"),
+    ("reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced"),
+    ("all_to_all_single", "alltoall_base"), ("alltoall",), ("broadcast",), ("reduce",),
+    ("gather",), ("scatter",), ("barrier",), ("send",), ("recv",), ("recv_anysource",)]
 MEGATRON_CORE = [
     ("megatron.core.distributed.param_and_grad_buffer", "dist_all_gather_func",
      "the distributed optimizer's param gather, bound at import"),
@@ -111,9 +114,12 @@ def test_torch_names_and_process_group_methods():
 
     from amem_callbacks.guard import GUARDED_METHODS
 
-    absent = [m for m in PROCESS_GROUP_METHODS if not hasattr(dist.ProcessGroup, m)]
+    absent = [names for names in PROCESS_GROUP_METHODS
+              if not any(hasattr(dist.ProcessGroup, m) for m in names)]
     assert not absent, f"ProcessGroup lost {absent}: the guard's method list needs updating"
-    unguarded = [m for m in PROCESS_GROUP_METHODS if m not in GUARDED_METHODS]
+    present = [m for names in PROCESS_GROUP_METHODS for m in names
+               if hasattr(dist.ProcessGroup, m)]
+    unguarded = [m for m in present if m not in GUARDED_METHODS]
     assert not unguarded, f"the guard does not wrap {unguarded}"
 
 

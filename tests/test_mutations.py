@@ -1,0 +1,64 @@
+"""Mutation check: with the fake NCCL's tripwire, the suite turns red when the
+guard lets a call through or when a resume is skipped.
+
+Each mutation (tests/mutations.py) is applied inside the rank processes by
+``python -m tests.scenarios`` (environment variable ``AMEM_TEST_MUTATE``);
+the package has no hook for it. Without a mutation the same scenarios pass.
+"""
+
+import pytest
+
+from tests.fake_nccl.tripwire import EXIT_CODE, MARKER
+from tests.harness import run_ranks
+from tests.mutations import ENV
+
+REPRESENTATIVE = "tests.scenarios_fake_nccl:representative"
+
+
+def run(scenario, mutation=None, **args):
+    env = {ENV: mutation or ""}  # "": unmutated even if the caller's environment names one
+    return run_ranks(scenario, args=args, env=env, expect_ok=mutation is None,
+                     allow_fake_nccl_fatal=mutation is not None)
+
+
+def assert_killed_on(ranks, mutation, group, op="c10d::allreduce_"):
+    """The run failed because a collective reached a suspended communicator:
+    a rank died there with the tripwire's line naming the call and the group.
+    Its peers fail too (they die on the same call, or lose the dead rank: the
+    store or the collective's connection), as a real NCCL crash takes the job
+    down; none returns a result."""
+    expected = f"{MARKER}: {op} on group {group!r}"
+    for r in ranks:
+        assert f"MUTATION applied: {mutation}" in r["log"]
+        assert r["returncode"] != 0 and "result" not in r, r["log"]
+        assert [line.split(" (")[0] for line in r["fake_nccl_fatal"]] in ([], [expected]), r["log"]
+    killed = [r for r in ranks if r["fake_nccl_fatal"]]
+    assert killed and all(r["returncode"] == EXIT_CODE for r in killed)
+
+
+def test_the_representative_scenario_passes_unmutated():
+    for r in run(REPRESENTATIVE):
+        res = r["result"]
+        assert res["mutation"] == ""
+        assert res["during"] == {"dp": True, "ep": True, "tp": False, "world": True}
+        assert res["tp_during"] and res["dp_during"] and res["exact_after"]
+        assert "resumed by the guard" in res["end"]["groups"]["dp"][1]
+        assert not any(res["after"].values())
+        assert r["fake_nccl_fatal"] == []
+
+
+@pytest.mark.parametrize("mutation,group", [
+    ("guard-off", "dp"),  # the guard lets the rollout's call on dp through
+    ("skip-resume:dp", "dp"),  # the guard's resume of dp is skipped
+    ("skip-resume:ep", "ep"),  # end()'s resume of ep is skipped: the first call after end
+])
+def test_the_representative_scenario_dies_under_each_mutation(mutation, group):
+    assert_killed_on(run(REPRESENTATIVE, mutation), mutation, group)
+
+
+@pytest.mark.parametrize("scenario,args,mutation,group", [
+    ("guard", {}, "guard-off", "dp"),
+    ("fake_cycle", {"cycles": 1}, "skip-resume:dp", "dp"),
+])
+def test_existing_scenarios_of_the_suite_turn_red_too(scenario, args, mutation, group):
+    assert_killed_on(run(scenario, mutation, **args), mutation, group)
