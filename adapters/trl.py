@@ -123,6 +123,7 @@ class AMemCallback(TrainerCallback):
         self._in_vllm_call = False
         self._hooked = False
         self._settle_after_generate = True
+        self.headroom = None
 
     @property
     def policy(self) -> Optional[OffloadPolicy]:
@@ -227,7 +228,21 @@ class AMemCallback(TrainerCallback):
                 or self.session.active or self._suspends_nothing()):
             return
         logger.debug("amem_callbacks: generation starts (%s): begin", where)
-        self.session.start(where, need_bytes=None if memory_needed_now else 0)
+        report = self.session.start(where, need_bytes=None if memory_needed_now else 0)
+        if memory_needed_now and self.headroom is None and report is not None:
+            self._tell_headroom(report)
+
+    def _tell_headroom(self, report) -> None:
+        """Once, with vLLM colocated: how far ``vllm_gpu_memory_utilization`` can go
+        with the freed memory (vLLM sizes its KV cache at start-up)."""
+        from amem_callbacks.headroom import freed_on_this_gpu, gpu_total_bytes, vllm_headroom
+
+        current = getattr(getattr(self.trainer, "args", None), "vllm_gpu_memory_utilization", None)
+        self.headroom = vllm_headroom("vllm_gpu_memory_utilization", current,
+                                      freed_on_this_gpu(report),
+                                      gpu_total_bytes(self.policy.options.device))
+        if self.headroom is not None:
+            logger.info("amem_callbacks: headroom: %s", self.headroom.line())
 
     def _stop(self, where: str) -> None:
         if self.session is None or not self.session.active:
@@ -322,7 +337,10 @@ class AMemCallback(TrainerCallback):
     # --- metrics ------------------------------------------------------------------
     def metrics(self, prefix: str = "amem/") -> dict:
         """This rank's running totals and its last begin and end, flat."""
-        return self.session.metrics(prefix)
+        out = self.session.metrics(prefix) if self.session is not None else {}
+        if self.headroom is not None:
+            out.update(self.headroom.as_dict(prefix))
+        return out
 
     def _log_with_metrics(self, original, logs, *args, **kwargs):
         # Eval logs are prefixed by the trainer from their first key: leave them alone.

@@ -96,9 +96,11 @@ class WorkerSession:
     rank at the same point of the same worker call.
     """
 
-    def __init__(self, settings: AmemSettings, policy):
+    def __init__(self, settings: AmemSettings, policy, gpu_memory_utilization=None):
         self.settings = settings
         self.session = RolloutSession(policy)
+        self.gpu_memory_utilization = gpu_memory_utilization  # the rollout's vLLM/SGLang share
+        self.headroom = None  # from the first begin: how far that share can go
         self._lock = threading.Lock()
         self._generation = 0  # counts suspends, so a late early-resume cannot end a newer phase
         self._early: Optional[threading.Thread] = None
@@ -122,13 +124,26 @@ class WorkerSession:
         with self._lock:
             self._generation += 1
             # The KV cache is re-allocated right after: wait for the whole begin.
-            self.session.start("update_weights", need_bytes=None)
+            report = self.session.start("update_weights", need_bytes=None)
+            if self.headroom is None and report is not None and not report.skipped:
+                self._tell_headroom(report)
             if kv_cache_next:
                 late = self.session.store_barrier("verl-suspended")  # rounds number the calls
                 if late:
                     logger.warning("amem_callbacks: rank(s) %s had not freed their NCCL memory "
                                    "within %g s; the KV cache may come back before it is free",
                                    late, self.policy.agree_timeout_s)
+
+    def _tell_headroom(self, report) -> None:
+        """Once: the rollout's KV cache could take the freed memory if the user
+        raises its share (vLLM sizes it at start-up; see amem_callbacks.headroom)."""
+        from amem_callbacks.headroom import freed_on_this_gpu, gpu_total_bytes, vllm_headroom
+
+        self.headroom = vllm_headroom("actor_rollout_ref.rollout.gpu_memory_utilization",
+                                      self.gpu_memory_utilization, freed_on_this_gpu(report),
+                                      gpu_total_bytes(self.policy.options.device))
+        if self.headroom is not None:
+            logger.info("amem_callbacks: headroom: %s", self.headroom.line())
 
     def rollout_ended(self) -> bool:
         """The driver says rollout is over: start resuming in the background."""
@@ -165,7 +180,10 @@ class WorkerSession:
 
     def metrics(self) -> dict:
         """Totals plus the last finished begin and end, as flat ``amem/...`` numbers."""
-        return self.session.metrics(METRIC_PREFIX)
+        out = self.session.metrics(METRIC_PREFIX)
+        if self.headroom is not None:
+            out.update(self.headroom.as_dict(METRIC_PREFIX))
+        return out
 
 
 _session: Optional[WorkerSession] = None
@@ -188,7 +206,8 @@ def _session_for(worker) -> Optional[WorkerSession]:
         settings = read_settings(worker.config.rollout.get("custom"))
         if settings.enable and "actor" in worker.role and "rollout" in worker.role:
             _raise_hook_errors()
-            _session = WorkerSession(settings, make_policy(settings))
+            _session = WorkerSession(settings, make_policy(settings),
+                                     worker.config.rollout.get("gpu_memory_utilization"))
             logger.info("amem_callbacks: verl training worker suspends its idle NCCL groups "
                         "during rollout (%s)", settings)
         _session_decided = True

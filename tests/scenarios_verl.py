@@ -376,6 +376,9 @@ def worker_cycle(args):
 
     adapter.make_policy = lambda s: SpyPolicy(backend=fake.backend(), keep=list(s.keep),
                                               guard=s.guard)
+    import amem_callbacks.headroom as headroom
+
+    headroom.gpu_total_bytes = lambda device=None: 80 * 2**30  # an 80 GiB GPU, on the CPU
     cpu_stand_ins(engine_workers)
 
     groups = make_groups(args["strategy"])
@@ -434,7 +437,9 @@ def worker_cycle(args):
         "logged": tracking.logger["capture"].logged,
         "session": None if session is None else {
             "counters": session.policy.counters.__dict__,
-            "metrics": session.metrics()},
+            "metrics": session.metrics(),
+            "utilization_now": session.gpu_memory_utilization,
+            "headroom_line": session.headroom.line() if session.headroom else None},
     }
 
 

@@ -262,3 +262,16 @@ def test_an_unknown_group_in_keep_fails_at_the_first_weight_sync_naming_the_vali
     error = one_rank("unknown_keep_group")["error"]
     assert error and "unknown group name(s) ['nope'] in keep" in error
     assert "'dp'" in error and "'world'" in error and "name_group" in error
+
+
+def test_the_first_begin_says_how_far_the_rollouts_share_of_the_gpu_can_go():
+    """vLLM sizes its KV cache at start-up from gpu_memory_utilization: the worker
+    logs, once, the value the freed memory allows (real verl config, fake 80 GiB GPU)."""
+    for res in cycle(strategy="fsdp", early=True):
+        session = res["session"]
+        now, metrics = session["utilization_now"], session["metrics"]
+        freed = metrics["amem/headroom/freed_bytes"]
+        assert freed == metrics["amem/begin/nccl_bytes"] > 0
+        expected = int((now + (freed - 512 * 2**20) / (80 * 2**30)) * 100) / 100
+        assert metrics["amem/headroom/gpu_memory_utilization"] == max(now, expected)
+        assert "actor_rollout_ref.rollout.gpu_memory_utilization" in session["headroom_line"]

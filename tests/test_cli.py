@@ -157,3 +157,18 @@ def test_default_output_folder_is_under_the_temp_folder_not_the_working_one():
     assert os.path.dirname(folder) == tempfile.gettempdir()
     assert os.path.basename(folder).startswith("amem-bench-")
     assert output_folder("mine", "bench") == "mine"
+
+
+def test_doctor_turns_a_freed_figure_into_the_vllm_share_and_says_how_to_get_one():
+    from amem_callbacks.tools.cli import main
+
+    with_figure = subprocess.run(
+        [sys.executable, "-m", "amem_callbacks", "doctor", "--no-probe", "--freed-gb", "10",
+         "--vllm-utilization", "0.6", "--gpu-gb", "140"], capture_output=True, text=True,
+        env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert "raise gpu_memory_utilization from 0.6 to 0.66" in with_figure.stdout
+    without = subprocess.run([sys.executable, "-m", "amem_callbacks", "doctor", "--no-probe"],
+                             capture_output=True, text=True,
+                             env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert "amem_callbacks: headroom:" in without.stdout and "--freed-gb" in without.stdout
+    assert main(["doctor", "--freed-gb", "3"]) == 2

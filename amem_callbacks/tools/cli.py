@@ -32,6 +32,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="AMem's patched libnccl.so.2, to check it against this torch")
     doctor.add_argument("--no-probe", action="store_true",
                         help="skip the real suspend/resume of a 1-rank communicator on GPU 0")
+    doctor.add_argument("--freed-gb", type=gigabytes, default=None, metavar="GB",
+                        help="NCCL memory a rollout frees on one GPU (the figure of a job's first "
+                             "'headroom' log line, or of amem/headroom/freed_bytes): print the "
+                             "vLLM share it allows")
+    doctor.add_argument("--vllm-utilization", type=fraction, default=None, metavar="U",
+                        help="the rollout's gpu_memory_utilization now (with --freed-gb)")
+    doctor.add_argument("--gpu-gb", type=gigabytes, default=None, metavar="GB",
+                        help="the GPU's total memory (default: GPU 0's)")
 
     demo = sub.add_parser("demo", help="a small train/rollout loop on the local GPUs, several "
                                        "ranks per GPU where NCCL allows (2 CPU processes, dry "
@@ -130,6 +138,26 @@ def positive_seconds(text: str) -> float:
     return value
 
 
+def gigabytes(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"a number of GB >= 0, got {text!r}")
+    return value
+
+
+def fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"a fraction between 0 and 1, e.g. 0.6, got {text!r}")
+    return value
+
+
 def int_list(text: str) -> list:
     values = [_int_or_none(v) for v in text.split(",") if v.strip()]
     if any(v is None or v < 1 for v in values):
@@ -182,8 +210,15 @@ def main(argv=None) -> int:
     if args.command == "doctor":
         from .doctor import main as doctor_main
 
+        headroom = None
+        if args.freed_gb is not None or args.vllm_utilization is not None:
+            if args.freed_gb is None or args.vllm_utilization is None:
+                print("amem-callbacks doctor: give --freed-gb and --vllm-utilization together",
+                      file=sys.stderr)
+                return 2
+            headroom = (args.freed_gb, args.vllm_utilization, args.gpu_gb)
         return doctor_main(as_json=args.json, amem_library=args.amem_library,
-                           probe=not args.no_probe)
+                           probe=not args.no_probe, headroom=headroom)
     args.out = output_folder(args.out, args.command)
     why = unwritable(args.out)
     if why:

@@ -231,12 +231,31 @@ def render(d: Diagnosis) -> str:
     return "\n".join(lines)
 
 
-def main(as_json: bool = False, amem_library: Optional[str] = None, probe: bool = True) -> int:
+HEADROOM_HOW = ("measured at a job's first begin: the log line 'amem_callbacks: headroom: ...' "
+                "(verl, TRL with vLLM colocated) and the metric amem/headroom/*; give its freed "
+                "GB here with --freed-gb and --vllm-utilization for the same figure. Megatron: "
+                "--rl-amem-grow-kv-cache gives the KV cache the freed bytes by itself "
+                "(--rl-kv-cache-management-mode recompute).")
+
+
+def headroom_fact(freed_gb: float, utilization: float, gpu_gb: Optional[float]) -> str:
+    from ..headroom import gpu_total_bytes, vllm_headroom
+
+    total = int(gpu_gb * 2**30) if gpu_gb else gpu_total_bytes()
+    if not total:
+        return "the GPU's total memory is unknown here: give --gpu-gb"
+    result = vllm_headroom("gpu_memory_utilization", utilization, int(freed_gb * 2**30), total)
+    return result.line()
+
+
+def main(as_json: bool = False, amem_library: Optional[str] = None, probe: bool = True,
+         headroom: Optional[tuple] = None) -> int:
     """Exit status 1 when ``auto`` would leave training untouched (a launch
     script can gate on it), else 0; ``--json`` keeps every detail."""
     import json
 
     d = diagnose(amem_library, probe)
+    d.facts["headroom"] = headroom_fact(*headroom) if headroom else HEADROOM_HOW
     print(json.dumps(d.as_dict(), indent=1, default=str) if as_json else render(d))
     return 1 if d.backend.startswith("none") else 0
 

@@ -1,0 +1,83 @@
+"""What the freed memory is worth to a vLLM rollout: the setting that uses it.
+
+vLLM sizes its KV cache once, at start-up, from ``gpu_memory_utilization``
+(a share of the GPU's total memory, checked against the memory free then),
+and its sleep/wake-up keeps that size. So the package cannot grow a vLLM
+cache by itself: vLLM starts before the first rollout, when every NCCL
+communicator is still allocated, and an automatic raise would have to
+restart the engine. What it can do is tell the user, from the first begin,
+how far the setting can go with the communicators suspended during rollout:
+the GPU's total memory is known, and so are the bytes the begin freed on it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+#: left out of the freed bytes: vLLM checks free memory against its share at wake-up
+DEFAULT_MARGIN_BYTES = 512 * 2**20
+#: vLLM refuses 1.0; keep the suggestion below it
+CEILING = 0.98
+
+
+@dataclass(frozen=True)
+class Headroom:
+    """How far ``setting`` can be raised with the freed bytes."""
+
+    setting: str
+    current: float
+    suggested: float
+    freed_bytes: int
+    total_bytes: int
+    margin_bytes: int
+
+    def line(self) -> str:
+        if self.suggested <= self.current:
+            return (f"the suspended NCCL memory ({self.freed_bytes / 2**30:.2f} GiB on this GPU) "
+                    f"is too small to raise {self.setting} from {self.current:g} "
+                    f"(margin {self.margin_bytes / 2**30:.2f} GiB)")
+        return (f"{self.freed_bytes / 2**30:.2f} GiB of NCCL memory is free on this GPU during "
+                f"rollout: you can raise {self.setting} from {self.current:g} to "
+                f"{self.suggested:g} (of {self.total_bytes / 2**30:.1f} GiB, "
+                f"{self.margin_bytes / 2**30:.2f} GiB margin)")
+
+    def as_dict(self, prefix: str = "amem/") -> dict:
+        p = prefix + "headroom/"
+        return {p + "freed_bytes": self.freed_bytes, p + "gpu_memory_utilization": self.suggested,
+                p + "gpu_memory_utilization_now": self.current}
+
+
+def vllm_headroom(setting: str, current: float, freed_bytes: int, total_bytes: int,
+                  margin_bytes: int = DEFAULT_MARGIN_BYTES) -> Optional[Headroom]:
+    """The utilisation ``current`` plus the freed share, rounded down to 0.01;
+    None when a figure is missing."""
+    if not total_bytes or current is None or freed_bytes is None:
+        return None
+    usable = max(0, freed_bytes - margin_bytes)
+    suggested = math.floor((current + usable / total_bytes) * 100) / 100
+    suggested = max(current, min(CEILING, suggested))
+    return Headroom(setting, float(current), suggested, int(freed_bytes), int(total_bytes),
+                    int(margin_bytes))
+
+
+def freed_on_this_gpu(report) -> Optional[int]:
+    """The bytes a begin freed on this rank's GPU: NCCL's account of this rank's
+    groups when the rank has the GPU to itself; the device-wide reading when
+    several ranks share it (each rank's suspends free memory on the same GPU)."""
+    if report is None or report.skipped:
+        return None
+    if report.device_shared_by > 1 and report.device_freed_bytes is not None:
+        return max(0, report.device_freed_bytes)
+    return report.nccl_bytes
+
+
+def gpu_total_bytes(device: Optional[int] = None) -> Optional[int]:
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return None
+    return torch.cuda.mem_get_info(device if device is not None else
+                                   torch.cuda.current_device())[1]
