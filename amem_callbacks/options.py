@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 from .errors import AmemError
 
@@ -19,7 +19,7 @@ from .errors import AmemError
 #: suspend, ~265 ms resume on 2xH200), and a network group's 12 MiB of socket
 #: buffers are not worth it.
 DEFAULT_MIN_BYTES = 16 * 2**20
-# Measured on 2xH200, 8 groups (results/gpu_2xh200/bench.json): one transition
+# Measured on 2xH200, 8 groups (results/two_h200/bench.json): one transition
 # takes suspend 2.63 / 2.41 / 2.38 s and resume 2.01 / 1.46 / 1.27 s with 1 / 4 /
 # 8 threads; past 4 threads NCCL's own barriers dominate.
 DEFAULT_WORKERS = 4
@@ -44,6 +44,25 @@ def check_number(name, value, minimum, integer=False, exclusive=False) -> None:
         bound = f"> {minimum}" if exclusive else f">= {minimum}"
         what = "an integer" if integer else "a number"
         raise OptionError(f"{name} must be {what} {bound}, got {value!r}")
+
+
+def number_type(what: str, ok: Callable[[float], bool]) -> Callable[[str], float]:
+    """An argparse ``type=``: a finite number ``ok`` accepts, else a message
+    saying ``what`` to write (the CLI's and Megatron's flags share these)."""
+    import argparse
+    import math
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and ok(value)):
+            raise argparse.ArgumentTypeError(f"{what}, got {text!r}")
+        return value
+
+    parse.__name__ = what.split(" ")[-1]
+    return parse
 
 
 def check_bool(name, value) -> None:

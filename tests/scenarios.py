@@ -407,16 +407,22 @@ def device_mesh(args):
 
 
 @scenario
+def ready_groups() -> dict:
+    """gloo, the test's groups, each used once (so each has its connections)."""
+    init()
+    groups = make_groups(dist.get_world_size())
+    for g in groups.values():
+        allreduce_ok(g)
+    return groups
+
+
 def interleave(args):
     """Random interleavings of begin/end and calls on suspended, kept and
     transitioning groups, with slow fake transitions and overlap on: no call may
     ever reach a suspended communicator, and every result is exact."""
     import random
 
-    init()
-    groups = make_groups(dist.get_world_size())
-    for g in groups.values():
-        allreduce_ok(g)
+    groups = ready_groups()
     fake = FakeNccl()
     for g in groups.values():
         fake.controls.delay(fake.handle_of(g)[0], args.get("delay_us", 30000))

@@ -15,7 +15,7 @@ from torch.distributed import all_reduce as all_reduce_bound_at_import
 
 from amem_callbacks import OffloadPolicy
 from tests.fake_nccl import tripwire
-from tests.scenarios import FakeNccl, allreduce_ok, init, make_groups, summarize
+from tests.scenarios import FakeNccl, allreduce_ok, init, ready_groups, summarize
 
 
 def _path_calls(g, world: int, me: int):
@@ -202,10 +202,7 @@ def representative(args):
     the guard on a suspended group during the phase, end(), then collectives
     on every group. Passes as is; a broken guard or a skipped resume lets a
     collective reach a suspended communicator, which the tripwire turns fatal."""
-    init()
-    groups = make_groups(dist.get_world_size())
-    for g in groups.values():
-        allreduce_ok(g)
+    groups = ready_groups()
     fake = FakeNccl()
     policy = OffloadPolicy(backend=fake.backend(), keep=["tp"], agree_timeout_s=20, timeout_s=30)
     out = {"mutation": os.environ.get("AMEM_TEST_MUTATE", "")}

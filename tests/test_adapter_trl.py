@@ -207,7 +207,7 @@ def test_generation_that_gathers_parameters_keeps_the_default_group_and_says_so_
     ({"log_metrics": "yes"}, "log_metrics must be True or False"),
     ({"guard": "loose"}, "unknown guard mode 'loose'"),
 ])
-def test_bad_options_fail_when_the_callback_is_made(kwargs, message):
+def test_more_bad_options_fail_when_the_callback_is_made_as_amem_errors(kwargs, message):
     from amem_callbacks import AmemError
     from amem_callbacks.adapters.trl import AMemCallback
 

@@ -8,7 +8,7 @@ import dataclasses
 import logging
 from typing import Callable, Optional
 
-from amem_callbacks.options import BACKEND_CHOICES, OffloadOptions
+from amem_callbacks.options import BACKEND_CHOICES, OffloadOptions, number_type
 
 from .roles import ALIASES, VALID_KEEP
 
@@ -90,14 +90,7 @@ def group_id(text: str) -> int:
     return value
 
 
-def gigabytes(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number of GB >= 0, got {text!r}") from None
-    if not value >= 0:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be a number of GB >= 0, got {text}")
-    return value
+gigabytes = number_type("must be a number of GB >= 0", lambda v: v >= 0)
 
 
 def _define(group) -> None:

@@ -6,13 +6,13 @@ Parsing imports no torch: ``--version``, ``--help`` and a bad option answer at o
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import tempfile
 import time
 
 from .. import __version__
+from ..options import number_type
 
 MIN_RANKS = 2  # a 1-rank communicator has no peer buffers to free
 
@@ -128,34 +128,9 @@ def positive_int(text: str) -> int:
     return value
 
 
-def positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"a number of seconds > 0, got {text!r}")
-    return value
-
-
-def gigabytes(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"a number of GB >= 0, got {text!r}")
-    return value
-
-
-def fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value < 1:
-        raise argparse.ArgumentTypeError(f"a fraction between 0 and 1, e.g. 0.6, got {text!r}")
-    return value
+positive_seconds = number_type("a number of seconds > 0", lambda v: v > 0)
+gigabytes = number_type("a number of GB >= 0", lambda v: v >= 0)
+fraction = number_type("a fraction between 0 and 1, e.g. 0.6", lambda v: 0 < v < 1)
 
 
 def int_list(text: str) -> list:

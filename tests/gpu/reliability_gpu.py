@@ -491,18 +491,26 @@ def _faulty_backend(r: Rank, op: str, victim: int):
     return Faulty(library=fake.library, handle_of=fake.handle_of) if fake else Faulty()
 
 
+def _reached(proc, marker: str, facts: dict, why: str, limit_s: float = 240.0) -> bool:
+    """Driver side: wait until a rank wrote ``marker`` (False, with ``why``, if it
+    died or took longer than ``limit_s``)."""
+    start = time.monotonic()
+    while not os.path.exists(marker):
+        if proc.poll() is not None or time.monotonic() - start > limit_s:
+            facts.update(ok=False, why=why)
+            return False
+        time.sleep(0.005)
+    return True
+
+
 def _kill_inside(op: str):
     """Driver side: SIGKILL the victim KILL_AFTER_S after it entered ``op``."""
     def during(procs, out_dir, facts):
         victim = len(procs) - 1
         entered = os.path.join(out_dir, f"rank{victim}.in-{op}")
         left = os.path.join(out_dir, f"rank{victim}.out-{op}")
-        start = time.monotonic()
-        while not os.path.exists(entered):
-            if procs[victim].poll() is not None or time.monotonic() - start > 240:
-                facts.update(ok=False, why=f"rank {victim} never entered the {op} call")
-                return
-            time.sleep(0.005)
+        if not _reached(procs[victim], entered, facts, f"rank {victim} never entered the {op} call"):
+            return
         seen = time.monotonic()
         time.sleep(KILL_AFTER_S)
         inside = not os.path.exists(left) and procs[victim].poll() is None
@@ -586,12 +594,8 @@ def _stop_at_begin(procs, out_dir, facts):
     """Driver side: SIGSTOP the victim as it reaches begin, SIGCONT it STOP_S later."""
     victim = len(procs) - 1
     marker = os.path.join(out_dir, f"rank{victim}.at-begin")
-    start = time.monotonic()
-    while not os.path.exists(marker):
-        if procs[victim].poll() is not None or time.monotonic() - start > 240:
-            facts.update(ok=False, why=f"rank {victim} never reached begin")
-            return
-        time.sleep(0.005)
+    if not _reached(procs[victim], marker, facts, f"rank {victim} never reached begin"):
+        return
     os.kill(procs[victim].pid, signal.SIGSTOP)
     time.sleep(STOP_S)
     os.kill(procs[victim].pid, signal.SIGCONT)
