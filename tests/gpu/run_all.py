@@ -39,7 +39,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SMALL_BUFFERS = {"NCCL_BUFFSIZE": str(1 << 20), "NCCL_MAX_NCHANNELS": "4"}
-# The FSDP2/HSDP loops at the size of their committed results (results/one_h200/j_, m_, p_):
+# The FSDP2/HSDP loops at the size of their committed results (results/one_h200/trl_fsdp2,
+# trl_hsdp, trl_hsdp_torch214):
 # trl_gpu.py's default model with 384-token completions takes minutes per run on a shared GPU.
 TRL_LOOP_SIZE = ["--steps", "3", "--hidden", "256", "--layers", "2", "--completion-length", "64",
                  "--batch", "4"]
