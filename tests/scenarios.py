@@ -406,7 +406,6 @@ def device_mesh(args):
             "dp_ranks": dist.get_process_group_ranks(mesh.get_group("dp"))}
 
 
-@scenario
 def ready_groups() -> dict:
     """gloo, the test's groups, each used once (so each has its connections)."""
     init()
@@ -416,6 +415,7 @@ def ready_groups() -> dict:
     return groups
 
 
+@scenario
 def interleave(args):
     """Random interleavings of begin/end and calls on suspended, kept and
     transitioning groups, with slow fake transitions and overlap on: no call may
