@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
+from amem_callbacks.options import OptionError
+
 CONFIG_KEY = "actor_rollout_ref.rollout.custom.amem"
 #: key -> (accepted types, how the message describes it)
 OPTIONS = {
@@ -26,6 +28,15 @@ class AmemSettings:
     keep: tuple = ()
     guard: str = "resume"
     learn_keep: bool = True
+
+    def options(self, **extra):
+        """The policy's options: every key but ``enable`` is an OffloadOptions field
+        of the same name."""
+        from amem_callbacks.options import OffloadOptions
+
+        given = {k: getattr(self, k) for k in OPTIONS if k != "enable"}
+        given["keep"] = list(self.keep)
+        return OffloadOptions(**{**given, **extra})
 
 
 def read_settings(custom) -> AmemSettings:
@@ -49,37 +60,34 @@ def read_settings(custom) -> AmemSettings:
     if custom is None:
         return AmemSettings()
     if not isinstance(custom, Mapping):
-        raise ValueError(f"actor_rollout_ref.rollout.custom must be a mapping, got {custom!r}")
+        raise OptionError(f"actor_rollout_ref.rollout.custom must be a mapping, got {custom!r}")
     block = custom.get("amem")
     if block is None:
         return AmemSettings()
     if not isinstance(block, Mapping):
-        raise ValueError(f"{CONFIG_KEY} must be a mapping such as {{enable: true}}, got "
+        raise OptionError(f"{CONFIG_KEY} must be a mapping such as {{enable: true}}, got "
                          f"{block!r}; valid keys: {VALID_KEYS}")
     if "overlap" in block:
-        raise ValueError(f"{CONFIG_KEY}.overlap: verl already resumes in the background, from "
+        raise OptionError(f"{CONFIG_KEY}.overlap: verl already resumes in the background, from "
                          "the end of rollout (sleep_replicas) to the next training call, and the "
                          "suspend must finish before the KV cache comes back, so there is "
                          f"nothing left to overlap: remove the key; valid keys: {VALID_KEYS}")
     unknown = sorted(str(k) for k in block if k not in OPTIONS)
     if unknown:
-        raise ValueError(f"{CONFIG_KEY}: unknown key(s) {unknown}; valid keys: {VALID_KEYS}")
+        raise OptionError(f"{CONFIG_KEY}: unknown key(s) {unknown}; valid keys: {VALID_KEYS}")
     for key, value in block.items():
         types, description = OPTIONS[key]
         wrong = not isinstance(value, types)
         if key == "keep" and not wrong:
             wrong = not all(isinstance(name, str) and name for name in value)
         if wrong:
-            raise ValueError(f"{CONFIG_KEY}.{key} must be {description}, got {value!r}; "
+            raise OptionError(f"{CONFIG_KEY}.{key} must be {description}, got {value!r}; "
                              f"valid keys: {VALID_KEYS}")
     settings = AmemSettings(**{k: tuple(v) if k == "keep" else v for k, v in block.items()})
-    from amem_callbacks import OffloadPolicy
-
-    try:  # the policy's own checks of the choices (it touches no GPU and no group)
-        OffloadPolicy(backend=settings.backend, guard=settings.guard,
-                      learn_keep=settings.learn_keep)
+    try:  # the options' own checks of the choices; keep names wait for the groups to exist
+        settings.options(keep=())
     except ValueError as exc:
-        raise ValueError(f"{CONFIG_KEY}: {exc}; valid keys: {VALID_KEYS}") from None
+        raise OptionError(f"{CONFIG_KEY}: {exc}; valid keys: {VALID_KEYS}") from None
     return settings
 
 

@@ -30,7 +30,8 @@ from typing import Iterable, Mapping, Optional, Union
 
 from amem_callbacks import OffloadPolicy, name_group
 from amem_callbacks.groups import register_roles
-from amem_callbacks.options import OffloadOptions, check_bool, map_options
+from amem_callbacks.errors import AdapterError
+from amem_callbacks.options import OffloadOptions, OptionError, check_bool, map_options
 from amem_callbacks.patching import Patches
 from amem_callbacks.session import RolloutSession
 
@@ -148,7 +149,7 @@ class AMemCallback(TrainerCallback):
         if self.trainer is None:
             trainer = self._find_trainer()
             if trainer is None:
-                raise RuntimeError("AMemCallback could not find the trainer it was added to; "
+                raise AdapterError("AMemCallback could not find the trainer it was added to; "
                                    "hand it over with callback.attach(trainer)")
             self.attach(trainer)
 
@@ -173,18 +174,18 @@ class AMemCallback(TrainerCallback):
         Adds the callback to the trainer's callbacks if it is not there yet.
         """
         if trainer is None:
-            raise ValueError("attach() needs the trainer to serve, e.g. "
+            raise OptionError("attach() needs the trainer to serve, e.g. "
                              "AMemCallback().attach(trainer), got None")
         if self.trainer is trainer:
             return self
         if self.trainer is not None:
-            raise ValueError("this AMemCallback already serves another trainer: create one per "
+            raise OptionError("this AMemCallback already serves another trainer: create one per "
                              "trainer")
         if not callable(getattr(trainer, "_generate", None)) or not hasattr(trainer, "accelerator"):
-            raise ValueError(f"AMemCallback frames generation in trainers that generate "
+            raise OptionError(f"AMemCallback frames generation in trainers that generate "
                              f"(GRPOTrainer, RLOOTrainer); {type(trainer).__name__} does not")
         if not self._patches.wrap(trainer, "_generate", self._around_generate):
-            raise ValueError("this trainer already has an AMemCallback: add only one")
+            raise OptionError("this trainer already has an AMemCallback: add only one")
         if not any(cb is self for cb in trainer.callback_handler.callbacks):
             trainer.add_callback(self)
         self.trainer = trainer

@@ -42,6 +42,7 @@ import logging
 import threading
 from typing import Optional
 
+from amem_callbacks.errors import AdapterError
 from amem_callbacks.groups import register_roles
 from amem_callbacks.patching import Patches, when_imported, wrapper
 from amem_callbacks.session import RolloutSession
@@ -84,8 +85,7 @@ def make_policy(settings: AmemSettings):
     from amem_callbacks import OffloadPolicy
 
     device = torch.cuda.current_device() if torch.cuda.is_available() else None
-    return OffloadPolicy(backend=settings.backend, keep=list(settings.keep),
-                         guard=settings.guard, learn_keep=settings.learn_keep, device=device)
+    return OffloadPolicy(settings.options(device=device))
 
 
 # --- the training-worker side ---------------------------------------------
@@ -290,7 +290,7 @@ def _after_config(result, config, *args, **kwargs) -> None:
 def _raise_hook_errors() -> None:
     """amem is on: a verl class we could not wrap must stop the job, not be ignored."""
     if _hook_errors:
-        raise RuntimeError(f"{CONFIG_KEY}.enable is true but verl could not be hooked "
+        raise AdapterError(f"{CONFIG_KEY}.enable is true but verl could not be hooked "
                            f"(amem_callbacks supports verl 0.9.1): " + "; ".join(_hook_errors))
 
 

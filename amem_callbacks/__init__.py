@@ -14,6 +14,7 @@ _EXPORTS = {
     "GroupReport": "amem_callbacks.report",
     "name_group": "amem_callbacks.groups",
     "AmemError": "amem_callbacks.errors",
+    "AdapterError": "amem_callbacks.errors",
     "BackendUnavailable": "amem_callbacks.errors",
     "SuspendedGroupError": "amem_callbacks.errors",
     "TransitionTimeout": "amem_callbacks.errors",

@@ -29,3 +29,7 @@ class SuspendedGroupError(AmemError):
 
 class TransitionTimeout(AmemError):
     """A suspend or resume did not finish in time (a peer rank is missing or dead)."""
+
+
+class AdapterError(AmemError):
+    """A framework adapter cannot serve this job (it cannot find or hook what it needs)."""
