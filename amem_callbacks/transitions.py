@@ -339,6 +339,8 @@ class Transitions:
             if failed and state.status is Status.SUSPENDED:
                 # Ranks must agree on the state: undo ours so the group is active everywhere.
                 self._resume_or_break(state, rep)
+                if not self.backend.dry_run:
+                    self._freed(-(state.suspendable or 0))  # its memory is back in use
                 rep.action = Outcome.FAILED
                 rep.reason = f"rank(s) {failed} failed to suspend it; resumed here too"
             report.groups.append(rep)
