@@ -236,14 +236,11 @@ class AMemCallback(TrainerCallback):
     def _tell_headroom(self, report) -> None:
         """Once, with vLLM colocated: how far ``vllm_gpu_memory_utilization`` can go
         with the freed memory (vLLM sizes its KV cache at start-up)."""
-        from amem_callbacks.headroom import freed_on_this_gpu, gpu_total_bytes, vllm_headroom
+        from amem_callbacks import headroom
 
         current = getattr(getattr(self.trainer, "args", None), "vllm_gpu_memory_utilization", None)
-        self.headroom = vllm_headroom("vllm_gpu_memory_utilization", current,
-                                      freed_on_this_gpu(report),
-                                      gpu_total_bytes(self.policy.options.device))
-        if self.headroom is not None:
-            logger.info("amem_callbacks: headroom: %s", self.headroom.line())
+        self.headroom = headroom.tell("vllm_gpu_memory_utilization", current, report,
+                                      self.policy.options.device)
 
     def _stop(self, where: str) -> None:
         if self.session is None or not self.session.active:

@@ -137,13 +137,11 @@ class WorkerSession:
     def _tell_headroom(self, report) -> None:
         """Once: the rollout's KV cache could take the freed memory if the user
         raises its share (vLLM sizes it at start-up; see amem_callbacks.headroom)."""
-        from amem_callbacks.headroom import freed_on_this_gpu, gpu_total_bytes, vllm_headroom
+        from amem_callbacks import headroom
 
-        self.headroom = vllm_headroom("actor_rollout_ref.rollout.gpu_memory_utilization",
-                                      self.gpu_memory_utilization, freed_on_this_gpu(report),
-                                      gpu_total_bytes(self.policy.options.device))
-        if self.headroom is not None:
-            logger.info("amem_callbacks: headroom: %s", self.headroom.line())
+        self.headroom = headroom.tell("actor_rollout_ref.rollout.gpu_memory_utilization",
+                                      self.gpu_memory_utilization, report,
+                                      self.policy.options.device)
 
     def rollout_ended(self) -> bool:
         """The driver says rollout is over: start resuming in the background."""

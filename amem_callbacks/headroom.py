@@ -62,6 +62,17 @@ def vllm_headroom(setting: str, current: float, freed_bytes: int, total_bytes: i
                     int(margin_bytes))
 
 
+def tell(setting: str, current: Optional[float], report, device: Optional[int]):
+    """The headroom a finished begin's ``report`` gives ``setting``, logged once by
+    the adapter that asks (verl's worker, TRL's callback); None when unknown."""
+    import logging
+
+    headroom = vllm_headroom(setting, current, freed_on_this_gpu(report), gpu_total_bytes(device))
+    if headroom is not None:
+        logging.getLogger("amem_callbacks").info("amem_callbacks: headroom: %s", headroom.line())
+    return headroom
+
+
 def freed_on_this_gpu(report) -> Optional[int]:
     """The bytes a begin freed on this rank's GPU: NCCL's account of this rank's
     groups when the rank has the GPU to itself; the device-wide reading when

@@ -15,16 +15,12 @@ OUT=${1:?OUTDIR}; RANKS=${2:-2}; shift $(( $# >= 2 ? 2 : 1 ))
 cd "$(dirname "$0")/../.."
 mkdir -p "$OUT"
 SITE=/tmp/site-megatron
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target "$SITE" .gpu/megatron/wheels/*.whl || exit 1
-# train_rl.py runs `make` in the dataset folder: give it the checkout's Makefile, and a
-# compiled helper newer than its source, so there is nothing to rebuild.
-cp .gpu/megatron/datasets.Makefile $SITE/megatron/core/datasets/Makefile &&
-    touch $SITE/megatron/core/datasets/helpers_cpp*.so || exit 1
+# The wheels into $SITE and the dataset Makefile: the same set-up as the Python drivers.
+python3 -c "import sys; sys.path.insert(0, '.'); from tests.gpu import megatron_runs as r; r.install_bundle()" \
+    || exit 1
 export MAKEFLAGS="LIBEXT=$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
 export PYTHONPATH=$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH} NCCL_MULTI_RANK_GPU_ENABLE=1 \
     PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1
-[ -e amem_callbacks/adapters ] || ln -sfn ../adapters amem_callbacks/adapters
 MLM=.gpu/megatron/mlm
 WRAPPER=tests/gpu/megatron_rl_gpu.py
 
