@@ -80,7 +80,8 @@ def run_ranks(scenario: str, world: int = 2, timeout: float = 90.0, args: dict =
         data = json.load(open(path)) if os.path.exists(path) else {}
         data.update(rank=rank, returncode=proc.returncode)
         log = open(os.path.join(out_dir, f"rank{rank}.log"), errors="replace").read()
-        data["log"] = log[-6000:]
+        data["log"] = log[-6000:]  # the tail, for failure messages
+        data["log_path"] = os.path.join(out_dir, f"rank{rank}.log")  # the whole log, for checks
         data["fake_nccl_fatal"] = [line for line in log.splitlines()
                                    if line.startswith(FAKE_NCCL_MARKER)]
         results.append(data)
