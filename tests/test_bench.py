@@ -49,7 +49,7 @@ def test_results_are_printed_before_the_file_is_written(bench):
 def test_one_progress_line_per_stage_with_the_time_left(bench):
     run, _ = bench
     lines = [line for line in run.stderr.splitlines() if line.startswith("bench [")]
-    stages = 1 + 4 + 3  # bandwidth, the 4 modes, guard, caller progress, bandwidth
+    stages = 1 + 4 + 1 + 3  # bandwidth, the 4 modes, the pairs, guard, caller progress, bandwidth
     assert [line.split("]")[0] for line in lines] == [f"bench [{i}/{stages}" for i in
                                                       range(1, stages + 1)]
     assert all(line.endswith(" left") for line in lines[:-1]) and lines[-1].endswith("done")
@@ -90,6 +90,22 @@ def test_every_step_of_both_policy_modes_moved_the_same_groups(bench):
             actions = {name: action for name, (action, _s) in row["groups"].items()}
             assert actions.pop("tp") == "kept"
             assert len(actions) == 8 and set(actions.values()) == {"would suspend"}
+
+
+def test_with_and_without_run_in_interleaved_pairs(bench):
+    run, report = bench
+    pairs = report["pairs"]
+    assert report["config"]["pairs"] == 3 and len(pairs["pairs"]) == 3
+    assert [p["order"] for p in pairs["pairs"]] == [["none", "overlap"], ["overlap", "none"],
+                                                     ["none", "overlap"]]
+    ratios = [p["results"]["overlap"]["step_s"] / p["results"]["none"]["step_s"]
+              for p in pairs["pairs"]]
+    assert pairs["ratios"] == pytest.approx(ratios)
+    assert report["figures"]["step_ratio_pairs"] == pytest.approx(sorted(ratios)[1])
+    assert pairs["spread"] == pytest.approx([min(ratios), max(ratios)])
+    assert all(len(p["results"][side]["steps_s"]) == 2 for p in pairs["pairs"]
+               for side in ("none", "overlap"))
+    assert "interleaved pairs, step time overlap / none: median" in run.stdout
 
 
 def _resolved(*argv):

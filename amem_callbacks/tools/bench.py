@@ -247,6 +247,29 @@ def _run_mode(loop: Loop, mode: str, policy, sampler, reports: dict) -> tuple:
     return steps, parts
 
 
+def _interleaved_pairs(loop: Loop, backend: str, workers: int, sampler, pairs: int) -> dict:
+    """Without (mode none) and with the package (overlap, its default way), run in
+    pairs that alternate which side goes first: a GPU that drifts would bias
+    whichever side always ran first. Every rank runs the same order."""
+    from amem_callbacks import OffloadPolicy
+
+    from .pairs import interleaved
+
+    policy = OffloadPolicy(backend=backend, keep=["tp"], overlap=True, workers=workers,
+                           groups=loop.all_groups())
+
+    def side(mode: str, side_policy):
+        def run(_index: int) -> dict:
+            steps, parts = _run_mode(loop, mode, side_policy, sampler, {})
+            return {"step_s": statistics.mean(steps), "steps_s": steps,
+                    "caller_wait_s": statistics.mean(p["begin_call"] + p["end_call"]
+                                                     for p in parts)}
+        return run
+
+    return interleaved({"none": side("none", None), "overlap": side("overlap", policy)},
+                       pairs=pairs).as_dict()
+
+
 def _sweep(loop: Loop, backend: str, stages) -> dict:
     """Transition time of a whole batch with 1..8 worker threads (no rollout)."""
     from amem_callbacks import OffloadPolicy
@@ -376,6 +399,9 @@ def run_rank(args, rank: int, world: int, use_cuda: bool) -> dict:
         stages.finished(f"mode {mode} ({args.steps} steps)")
 
     result["modes"] = modes
+    if args.pairs:
+        result["pairs"] = _interleaved_pairs(loop, backend, workers, sampler, args.pairs)
+        stages.finished(f"interleaved pairs ({args.pairs})")
     result["guard"] = _guard_overhead(loop, backend, args.guard_calls)
     stages.finished("guard overhead (P3)")
     result["caller_progress"] = _caller_progress(loop, backend, workers)

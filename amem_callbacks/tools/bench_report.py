@@ -21,6 +21,7 @@ MEANING = {
     "P5": "caller-thread progress during an overlapped begin, vs before",
     "P5_end": "the same during an overlapped end",
     "learn_over_nolearn": "steady step time, rollout touching a group: learn_keep on / off",
+    "step_ratio_pairs": "step time, overlap / none, median of interleaved pairs",
 }
 
 
@@ -31,6 +32,16 @@ def _mean_steady(values: list) -> float:
 
 def _ratio(a, b):
     return None if a is None or b in (None, 0) else a / b
+
+
+def _pair_ratios(raw_pairs) -> dict:
+    """Step time with / without inside each pair, their median and spread; {} without pairs."""
+    if not raw_pairs or not raw_pairs.get("pairs"):
+        return {}
+    ratios = [p["results"]["overlap"]["step_s"] / p["results"]["none"]["step_s"]
+              for p in raw_pairs["pairs"]]
+    return {"median": statistics.median(ratios), "spread": [min(ratios), max(ratios)],
+            "ratios": ratios, "pairs": raw_pairs["pairs"]}
 
 
 def summarise(raw: dict, args, world: int, dry_run: bool) -> dict:
@@ -60,7 +71,11 @@ def summarise(raw: dict, args, world: int, dry_run: bool) -> dict:
         "P5": progress.get("begin", {}).get("ratio"),
         "P5_end": progress.get("end", {}).get("ratio"),
         "learn_over_nolearn": _ratio(mean.get("touch"), mean.get("touch-nolearn")),
+        "step_ratio_pairs": None,
     }
+    pairs = _pair_ratios(raw.get("pairs"))
+    if pairs:
+        figures["step_ratio_pairs"] = pairs["median"]
     verdicts = {}
     for name, (op, goal) in GOALS.items():
         value = figures[name]
@@ -74,7 +89,8 @@ def summarise(raw: dict, args, world: int, dry_run: bool) -> dict:
                    "steps": args.steps, "rollout_s": args.rollout_s, "train_s": args.train_s,
                    "grad_mib": args.grad_mib, "guard_calls": args.guard_calls,
                    "nccl_buffsize": os.environ.get("NCCL_BUFFSIZE"),
-                   "overlap_workers": raw["overlap_workers"], "modes": list(modes)},
+                   "overlap_workers": raw["overlap_workers"], "modes": list(modes),
+                   "pairs": getattr(args, "pairs", 0)},
         "mean_step_s": mean, "extra_step_s": extra, "mean_parts_s": {
             m: {part: _mean_steady([p[part] for p in v["parts_s"]]) for part in v["parts_s"][0]}
             for m, v in modes.items() if v.get("parts_s")}, "begin_to_memory_free_s": free_after,
@@ -86,6 +102,7 @@ def summarise(raw: dict, args, world: int, dry_run: bool) -> dict:
         "touch": {m: {"auto_resumes": modes[m].get("auto_resumes"),
                       "learned": modes[m].get("learned"), "step_s": modes[m]["step_s"]}
                   for m in ("touch", "touch-nolearn") if m in modes},
+        "pairs": pairs,
         "note": "recreate destroys every group but the default one (torch cannot re-create it)",
     }
 
@@ -99,6 +116,11 @@ def table(summary: dict) -> str:
         lines += ["", f"{'workers':<10}{'begin s':>10}{'end s':>10}"]
         for workers, row in summary["sweep"].items():
             lines.append(f"{workers:<10}{row['begin_s']:>10.3f}{row['end_s']:>10.3f}")
+    pairs = summary.get("pairs")
+    if pairs:
+        lines += ["", f"interleaved pairs, step time overlap / none: median {pairs['median']:.3f} "
+                      f"(spread {pairs['spread'][0]:.3f}-{pairs['spread'][1]:.3f}, "
+                      f"{len(pairs['ratios'])} pairs, alternating which side ran first)"]
     if summary["dry_run"]:
         # CPU stand-in timings: goals beside them would read as verdicts on GPU behaviour
         lines += ["", "DRY RUN figures (nothing is suspended or freed; ratios of the stand-in's "

@@ -15,10 +15,10 @@ import time
 
 # bandwidth_*: P4's all-reduce, 7 timed windows of that many calls (not options).
 QUICK = {"groups": 2, "steps": 2, "rollout_s": 1.0, "train_s": 0.2, "grad_mib": 16,
-         "modes": ("none", "naive", "overlap"), "sweep": [], "guard_calls": 1200,
+         "modes": ("none", "naive", "overlap"), "pairs": 3, "sweep": [], "guard_calls": 1200,
          "bandwidth_mib": 16, "bandwidth_iters": 5}
 FULL = {"groups": 8, "steps": 4, "rollout_s": 2.0, "train_s": 0.5, "grad_mib": 64,
-        "modes": ("none", "naive", "overlap", "recreate"), "sweep": [1, 2, 4, 8],
+        "modes": ("none", "naive", "overlap", "recreate"), "pairs": 3, "sweep": [1, 2, 4, 8],
         "guard_calls": 12000, "bandwidth_mib": 256, "bandwidth_iters": 20}
 # Fewer, smaller buffers: the same suspend/resume behaviour, ~10x shorter transitions.
 SMALL_BUFFERS = {"NCCL_BUFFSIZE": str(1 << 20), "NCCL_MAX_NCHANNELS": "4"}
@@ -63,6 +63,9 @@ def plan(args, on_gpu: bool, workers: int) -> list:
     stages += [(f"sweep workers={w}", 4 * batch / w) for w in args.sweep]
     stages += [(f"mode {m} ({args.steps} steps)", args.steps * (step + per_mode[m]))
                for m in args.modes]
+    if args.pairs:
+        stages.append((f"interleaved pairs ({args.pairs})",
+                       args.pairs * args.steps * (2 * step + per_mode["overlap"])))
     stages += [("guard overhead (P3)", 2 * batch + calls * _SMALL_CALL_S[on_gpu]),
                ("caller-thread progress (P5)", 1.0 + 2 * batch / max(1, workers)),
                ("bandwidth after", bandwidth)]

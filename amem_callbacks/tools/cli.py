@@ -86,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma list of none,naive,overlap,recreate,touch,touch-nolearn; "
                             f"none is required (quick {','.join(QUICK['modes'])}; full "
                             f"{','.join(FULL['modes'])})")
+    bench.add_argument("--pairs", type=whole_number, default=None,
+                       help="with/without pairs run interleaved (none then overlap, overlap "
+                            "then none, ...): the step-time ratio inside each pair, median and "
+                            f"spread; 0 for none (quick {QUICK['pairs']}, full {FULL['pairs']})")
     bench.add_argument("--workers", type=positive_int, default=None,
                        help="threads per transition in overlap mode (default: best of --sweep, "
                             "or the policy's default without a sweep)")
@@ -125,6 +129,13 @@ def positive_int(text: str) -> int:
     value = _int_or_none(text)
     if value is None or value < 1:
         raise argparse.ArgumentTypeError(f"a whole number >= 1, got {text!r}")
+    return value
+
+
+def whole_number(text: str) -> int:
+    value = _int_or_none(text)
+    if value is None or value < 0:
+        raise argparse.ArgumentTypeError(f"a whole number >= 0, got {text!r}")
     return value
 
 
