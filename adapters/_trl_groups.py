@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
+from amem_callbacks.sharded import groups_gathered_over, guard_sees_all_collectives
+
 
 def generation_mode(trainer) -> Optional[str]:
     if not getattr(trainer, "use_vllm", False):
@@ -18,7 +20,7 @@ def groups_generation_uses(trainer, mode) -> list:
     """``(process group, role or None, why)`` for each group that generation itself calls.
 
     A sharded model (FSDP, ZeRO-3) gathers its parameters while it generates
-    (see ``_sharding_groups``), and transformers' generate then also all-reduces
+    (see :func:`amem_callbacks.sharded.groups_gathered_over`), and transformers' generate then also all-reduces
     a finished flag on the default group after every token."""
     import torch.distributed as dist
 
@@ -46,7 +48,7 @@ def groups_generation_uses(trainer, mode) -> list:
     sharding = _sharding(trainer)
     if gathers and sharding:
         model = getattr(trainer, "model_wrapped", None) or getattr(trainer, "model", None)
-        sharded = _sharding_groups(model, sharding)
+        sharded = groups_gathered_over(model, sharding)
         found.extend(sharded)
         if (mode == "transformers" and dist.get_world_size() > 1
                 and not any(group is world for group, _, _ in sharded)):
@@ -81,96 +83,6 @@ def _finished_flag_why(trainer) -> str:
             "(synced_gpus, on for FSDP and ZeRO-3 models)")
 
 
-def _sharding_groups(model, sharding: str = "FSDP") -> list:
-    """``(group, role or None, why)`` for the groups a sharded model gathers its
-    parameters over, default group first when it is one of them.
-
-    FSDP2: what each module's FSDP state gathers over (its shard group, and the
-    smaller group of ``reshard_after_forward=N``), and the groups of the mesh
-    dims where a DTensor parameter is ``Shard`` (HSDP's ``Replicate`` dims serve
-    only the backward all-reduce; tensor parallel dims are ``Shard`` too, and
-    run in forward).
-    FSDP1 wrappers' ``process_group`` (HYBRID_SHARD: the intra-node shard group)
-    and ZeRO-3 parameters' ``ds_process_group``: the default group is kept too,
-    as before (nothing public shows it unused). Nothing found: the default group.
-    """
-    import torch.distributed as dist
-
-    world = dist.distributed_c10d._get_default_group()
-    legacy_why = f"{sharding} gathers parameters on it while generating"
-    found: dict = {}
-    keep_world = False
-    for module in model.modules() if model is not None else ():
-        group = getattr(module, "process_group", None)
-        if group is not None and type(module).__name__ == "FullyShardedDataParallel":
-            found.setdefault(id(group), (group, None, legacy_why))
-            keep_world = True
-        for group, role, why in _fsdp2_state_groups(module):
-            found.setdefault(id(group), (group, role, why))
-    for param in model.parameters() if model is not None else ():
-        group = getattr(param, "ds_process_group", None)
-        if group is not None:
-            found.setdefault(id(group), (group, None, legacy_why))
-            keep_world = True
-        mesh = getattr(param, "device_mesh", None)
-        if mesh is None:
-            continue
-        names = getattr(mesh, "mesh_dim_names", None)
-        for dim, placement in enumerate(getattr(param, "placements", ())):
-            if not _is_shard(placement):
-                continue
-            role = names[dim] if names else None
-            group = mesh.get_group(dim)
-            found.setdefault(id(group), (group, role, _fsdp2_why(role if role else dim)))
-    if keep_world or not found:
-        found.setdefault(id(world), (world, None, legacy_why))
-    return sorted(found.values(), key=lambda entry: entry[0] is not world)  # world first
-
-
-def _is_shard(placement) -> bool:
-    is_shard = getattr(placement, "is_shard", None)
-    return bool(is_shard()) if callable(is_shard) else False
-
-
-def _fsdp2_state_groups(module) -> list:
-    """``(group, role, why)`` for what an FSDP2 module gathers over: its mesh's
-    shard group and, with ``reshard_after_forward=N``, the smaller group it
-    gathers over once resharded after a forward (a mesh of its own, on whichever
-    parameters are resharded so at the time). Read from torch's private state
-    (as torch 2.13 names it); where it is not found, nothing is added."""
-    get_state = getattr(module, "_get_fsdp_state", None)
-    if not callable(get_state):
-        return []
-    try:
-        state = get_state()
-    except Exception:  # private API: no answer, nothing added
-        return []
-    param_groups = getattr(state, "_fsdp_param_groups", None)
-    if param_groups is None:
-        single = getattr(state, "_fsdp_param_group", None)
-        param_groups = [single] if single is not None else []
-    out = []
-    for param_group in param_groups:
-        for info, resharded in ((getattr(param_group, "mesh_info", None), False),
-                                (getattr(param_group, "post_forward_mesh_info", None), True)):
-            group = getattr(info, "shard_process_group", None)
-            if group is None:
-                continue
-            if resharded:
-                out.append((group, None, "FSDP2 all-gathers parameters resharded after forward "
-                                         "(reshard_after_forward=N) over it while generating"))
-                continue
-            names = getattr(getattr(info, "mesh", None), "mesh_dim_names", None)
-            dim = getattr(info, "shard_mesh_dim", None)
-            role = names[dim] if names and dim is not None else None
-            out.append((group, role, _fsdp2_why(role if role else dim)))
-    return out
-
-
-def _fsdp2_why(dim) -> str:
-    return f"FSDP2 all-gathers parameters over mesh dim {dim} while generating"
-
-
 def _vllm_own_groups() -> list:
     """The NCCL groups of vLLM's GroupCoordinators (colocate mode builds them in this process)."""
     state = sys.modules.get("vllm.distributed.parallel_state")
@@ -193,33 +105,8 @@ def _is_peft(model) -> bool:
 
 
 def needs_settle_after_generate(trainer) -> bool:
-    """Whether the collectives after generation may bypass the guard, so the
-    resume must have finished before ``_generate`` returns.
-
-    torch DDP's reducer (gradient all-reduce, buffer broadcast) calls the C++
-    process group directly. FSDP2 (``fully_shard``, what accelerate's FSDP2
-    and HSDP build) issues its all-gathers and reduce-scatters through
-    ``torch.distributed``'s Python functions, which the guard holds back
-    until their group is back; so does DeepSpeed's ``deepspeed.comm``. Any
-    other or unknown wrapping settles, to be safe.
-    """
+    """Whether the resume must have finished before ``_generate`` returns: the
+    collectives after generation may bypass the guard (see
+    :func:`amem_callbacks.sharded.guard_sees_all_collectives`)."""
     model = getattr(trainer, "model_wrapped", None) or getattr(trainer, "model", None)
-    sharding = _sharding(trainer)
-    if sharding == "FSDP2" or _is_fsdp2(model):
-        return _has_ddp(model)
-    return True
-
-
-def _is_fsdp2(model) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        return False
-    return isinstance(model, FSDPModule)
-
-
-def _has_ddp(model) -> bool:
-    from torch.nn.parallel import DistributedDataParallel
-
-    modules = model.modules() if hasattr(model, "modules") else ()
-    return any(isinstance(m, DistributedDataParallel) for m in modules)
+    return not guard_sees_all_collectives(model)

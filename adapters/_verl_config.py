@@ -31,11 +31,11 @@ class AmemSettings:
 
     def options(self, **extra):
         """The policy's options: every key but ``enable`` is an OffloadOptions field
-        of the same name."""
+        of the same name. Transitions overlap: the worker waits where it must."""
         from amem_callbacks.options import OffloadOptions
 
         given = {k: getattr(self, k) for k in OPTIONS if k != "enable"}
-        given["keep"] = list(self.keep)
+        given.update(keep=list(self.keep), overlap=True)
         return OffloadOptions(**{**given, **extra})
 
 

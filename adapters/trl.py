@@ -1,25 +1,6 @@
-"""TRL: ``AMemCallback`` frees idle NCCL memory while a GRPO trainer generates.
-
-Where a generation phase starts and ends (read from trl 1.16; ``GRPOTrainer``
-and ``RLOOTrainer`` share the structure):
-
-- ``_generate`` runs once per generation on every rank; the steps served from
-  the buffer (``steps_per_generation``, ``num_iterations``) never reach it. It
-  frames the phase, and a phase takes at most one suspend and one resume, so
-  tool loops that call the model a different number of times on different
-  ranks still make the same collective calls everywhere.
-- Suspend: at the first generation call inside it, after the weights were
-  synced to vLLM (that sync may gather parameters). transformers:
-  ``_generate_single_turn`` (or ``rollout_func``); vLLM colocate: the KV-cache
-  ``wake_up`` or ``LLM.generate``, so the memory is free before vLLM takes it;
-  vLLM server: after the prompts were gathered, while rank 0 waits for the
-  server.
-- Resume: at the first accelerator collective inside ``_generate`` (the
-  ``gather`` of the completion lengths), at the broadcast of the server's
-  completions, or when ``_generate`` returns, whichever comes first: always
-  before the logprob forwards, and settled before ``_generate`` returns (DDP's
-  C++ reducer comes next and bypasses the guard).
-"""
+"""TRL: ``AMemCallback`` frees idle NCCL memory while a GRPO (or RLOO) trainer
+generates, read from trl 1.16. Where each phase starts and ends, and which
+groups stay active, is in docs/trl.md."""
 
 from __future__ import annotations
 
@@ -62,41 +43,23 @@ class AMemCallback(TrainerCallback):
     first collective after it. Add it to ``callbacks=``; nothing else to call.
 
     Args:
-        backend: "auto" (NCCL's own suspend, then AMem, else training runs
-            unchanged), "nccl", "amem", "noop" (dry run), or a Backend instance.
-        keep: groups to leave active during generation (see ``OffloadPolicy``).
-            The groups generation itself uses are added by the callback: vLLM's
-            tensor-parallel group, and where FSDP or DeepSpeed ZeRO-3 shards the
-            model, the groups it gathers parameters over while generating (FSDP2:
-            the mesh dims its parameters are sharded on, not HSDP's replicate
-            dims) and, with transformers generation, the default group.
+        backend: "auto", "nccl", "amem", "noop" (dry run), or a Backend instance.
+        keep: groups to leave active during generation, besides the ones
+            generation itself uses (vLLM's groups; the groups a sharded model
+            gathers over while generating), which the callback adds.
         guard: "resume", "strict" or "off" (see ``OffloadPolicy``).
-        overlap: suspend in the background while the model generates, and
-            resume in the background after it (the guard holds back each
-            collective until its group is back; the callback waits before
-            code the guard cannot see, such as DDP's C++ reducer). Where the
-            memory is needed at once (vLLM's KV-cache wake-up) the begin
-            waits for it anyway.
-        suspend_in_server_mode: with ``vllm_mode="server"`` generation runs on
-            the server's GPUs and nothing on the trainer's GPUs can use freed
-            memory meanwhile, so by default nothing is suspended there (one
-            log line says so); True suspends anyway.
-        log_metrics: add the ``amem/...`` figures to the trainer's logs, so they
-            reach whatever ``report_to`` names.
-        **policy_options: any other :class:`~amem_callbacks.OffloadOptions`
-            field (``min_bytes``, ``need_bytes``, ``timeout_s``, ``workers``,
-            ``backend_options``, ...).
-
-    Attributes:
-        session: the :class:`~amem_callbacks.session.RolloutSession`; its
-            policy is built at the first generation (once the groups are known).
-        kept: group name -> why generation needs it active.
+        overlap: run suspends and resumes in the background; where the memory
+            is needed at once (vLLM's KV-cache wake-up) or the next collectives
+            bypass the guard (torch DDP's reducer) the callback waits anyway.
+        suspend_in_server_mode: with ``vllm_mode="server"`` nothing on the
+            trainer's GPUs can use freed memory, so nothing is suspended there
+            unless this is True.
+        log_metrics: add the ``amem/...`` figures to the trainer's logs.
+        **policy_options: any other :class:`~amem_callbacks.OffloadOptions` field.
 
     Example:
-        >>> from amem_callbacks.adapters.trl import AMemCallback
         >>> trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args,
         ...                       train_dataset=dataset, callbacks=[AMemCallback()])
-        >>> trainer.train()
     """
 
     def __init__(self, backend: Union[str, object] = "auto",
@@ -268,12 +231,11 @@ class AMemCallback(TrainerCallback):
             name = _keep_name(group, role)
             names.append(name)
             self.kept.setdefault(name, why)
-        keep = _merge_keep(self.options.keep, PHASE, names)
         if self.kept:
             level = logging.WARNING if "world" in self.kept else logging.INFO
             logger.log(level, "amem_callbacks: generation uses these groups, kept active: %s",
                        "; ".join(f"{name!r} ({why})" for name, why in self.kept.items()))
-        return OffloadPolicy(self.options.replace(keep=keep))
+        return OffloadPolicy(self.options.keeping(PHASE, names))
 
     def _hook_generation(self) -> None:
         trainer = self.trainer
@@ -365,10 +327,3 @@ def _keep_name(group, role: Optional[str]) -> str:
         name_group(group, role)
         return role
     return group.group_name
-
-
-def _merge_keep(keep: dict, phase: str, extra: list) -> dict:
-    """``keep`` (OffloadOptions' normalised form) with ``extra`` added for ``phase``."""
-    merged = {p: set(names) for p, names in keep.items()}
-    merged[phase] = merged.get(phase, set()) | set(extra)
-    return {p: sorted(names) for p, names in merged.items()}

@@ -1,37 +1,14 @@
 """verl 0.9.1: one config entry frees the idle NCCL memory of every training
-worker while the rollout servers generate.
+worker while the rollout servers generate::
 
-    actor_rollout_ref:
-      rollout:
-        custom:
-          amem:
-            enable: true   # optional: backend, keep, guard, learn_keep
+    actor_rollout_ref.rollout.custom.amem: {enable: true}   # + backend, keep, guard, learn_keep
 
-verl imports this module in each of its processes, through the
-``verl.plugins`` entry point this package declares or through
-``actor_rollout_ref.model.external_lib=amem_callbacks.adapters.verl``.
-Importing it only registers import hooks: the verl classes below are wrapped
-when verl loads them, and every wrapper passes straight through unless the
-block above says ``enable: true``.
-
-Where the boundaries are (read from verl 0.9.1, colocated mode, where
-``rollout.checkpoint_engine.backend`` is ``naive``). Rollout runs in separate
-server processes; the training worker (``ActorRolloutRefWorker``, and a critic
-``TrainingWorker`` in the same process) waits idle for its next call.
-
-- Suspend: inside ``ActorRolloutRefWorker.update_weights``, after the weights
-  went to the rollout engine (their generator gathers over the training
-  groups, so those are active until then) and right before
-  ``rollout.resume(tags=["kv_cache"])`` re-allocates the KV cache; at the end
-  of ``update_weights`` when ``free_cache_engine`` is off. Every rank makes
-  that call, as the driver dispatches ``update_weights`` to all of them.
-- Resume: at the start of the worker's next training call (log-prob,
-  ref log-prob, actor or critic update, critic values, checkpoint save or
-  load, the next ``update_weights``), or earlier, in the background, when the
-  driver's ``CheckpointEngineManager.sleep_replicas`` says rollout is over.
-
-Each rank decides from its own state (is a phase active?), and the driver sends
-every call to every rank, so all ranks make the same collective calls.
+verl imports this module in each process (the ``verl.plugins`` entry point, or
+``actor_rollout_ref.model.external_lib``); importing it only registers import
+hooks, and every wrapper passes straight through unless ``enable: true``.
+Suspend comes right before ``update_weights`` wakes the KV cache, resume at the
+worker's next training call or earlier, in the background, once the driver's
+``sleep_replicas`` ends rollout: docs/verl.md has the seams and why.
 """
 
 from __future__ import annotations
@@ -76,9 +53,8 @@ def make_policy(settings: AmemSettings):
     """Build the worker's OffloadPolicy (replace this function to customise it,
     e.g. tests put a fake NCCL behind it).
 
-    Called on the thread verl runs the worker method on, so its current CUDA
-    device is the one verl uses; the suspend itself later runs on a pool
-    thread (``asyncio.to_thread``) that starts on GPU 0: ``device=`` says which.
+    Called on the thread verl runs the worker method on, whose current CUDA
+    device is verl's; the transitions run on other threads: ``device=`` says which.
     """
     import torch
 
@@ -92,8 +68,10 @@ def make_policy(settings: AmemSettings):
 class WorkerSession:
     """The rollout phase of one training-worker process.
 
-    ``suspend`` and ``resume`` are collective: the wrappers call them on every
-    rank at the same point of the same worker call.
+    ``suspend``, ``rollout_ended`` and ``resume`` are collective: the driver
+    sends each worker call to every rank, and the wrappers call them at the
+    same point of it. The policy overlaps: resumes run in the background from
+    the end of rollout until the next training call waits for them.
     """
 
     def __init__(self, settings: AmemSettings, policy, gpu_memory_utilization=None):
@@ -102,9 +80,6 @@ class WorkerSession:
         self.gpu_memory_utilization = gpu_memory_utilization  # the rollout's vLLM/SGLang share
         self.headroom = None  # from the first begin: how far that share can go
         self._lock = threading.Lock()
-        self._generation = 0  # counts suspends, so a late early-resume cannot end a newer phase
-        self._early: Optional[threading.Thread] = None
-        self._early_error: Optional[BaseException] = None
 
     @property
     def policy(self):
@@ -116,17 +91,18 @@ class WorkerSession:
         return {kind: r for kind in ("begin", "end") if (r := self.session.last(kind))}
 
     def suspend(self, kv_cache_next: bool = True) -> None:
-        """Collective: suspend the idle groups, and return once they are free. With
-        the KV cache next, wait until the memory is free on every rank, not only
-        here: a replica's leader wakes the KV cache on all of the replica's GPUs,
-        and with ``keep: [world]`` no suspended group need contain its peers, so
-        nothing else would make it wait for them."""
+        """Suspend the idle groups and return once they are free. With the KV cache
+        next, wait until the memory is free on every rank, not only here: a
+        replica's leader wakes the KV cache on all of the replica's GPUs, and with
+        ``keep: [world]`` no suspended group need contain its peers."""
         with self._lock:
-            self._generation += 1
-            # The KV cache is re-allocated right after: wait for the whole begin.
             report = self.session.start("update_weights", need_bytes=None)
             if self.headroom is None and report is not None and not report.skipped:
-                self._tell_headroom(report)
+                from amem_callbacks import headroom  # once: how far the rollout's share can go
+
+                self.headroom = headroom.tell(
+                    "actor_rollout_ref.rollout.gpu_memory_utilization",
+                    self.gpu_memory_utilization, report, self.policy.options.device)
             if kv_cache_next:
                 late = self.session.store_barrier("verl-suspended")  # rounds number the calls
                 if late:
@@ -134,46 +110,17 @@ class WorkerSession:
                                    "within %g s; the KV cache may come back before it is free",
                                    late, self.policy.agree_timeout_s)
 
-    def _tell_headroom(self, report) -> None:
-        """Once: the rollout's KV cache could take the freed memory if the user
-        raises its share (vLLM sizes it at start-up; see amem_callbacks.headroom)."""
-        from amem_callbacks import headroom
-
-        self.headroom = headroom.tell("actor_rollout_ref.rollout.gpu_memory_utilization",
-                                      self.gpu_memory_utilization, report,
-                                      self.policy.options.device)
-
     def rollout_ended(self) -> bool:
         """The driver says rollout is over: start resuming in the background."""
         with self._lock:
-            if not self.session.active or self._early is not None:
-                return False
-            self._early = threading.Thread(target=self._end_early, args=(self._generation,),
-                                           name="amem-verl-resume", daemon=True)
-            self._early.start()
-            return True
-
-    def _end_early(self, generation: int) -> None:
-        try:
-            with self._lock:
-                if self._generation == generation:
-                    self.session.stop("sleep_replicas (early)")
-        except BaseException as exc:  # re-raised by the next resume(), on the caller's thread
-            self._early_error = exc
+            return self.session.stop("sleep_replicas (early)", guarded_until_settle=True) \
+                is not None
 
     def resume(self) -> None:
-        """Collective: end the phase (unless done) and wait until every group is
-        back: the next call may run collectives the guard cannot see (DTensor
-        ``full_tensor`` in the FSDP engine)."""
+        """End the phase (unless done) and wait until every group is back: the next
+        call may run collectives the guard cannot see (DTensor ``full_tensor``)."""
         with self._lock:
-            early, self._early = self._early, None
-        if early is not None:
-            early.join()
-            error, self._early_error = self._early_error, None
-            if error is not None:
-                raise error
-        with self._lock:
-            self.session.stop("next training call")
+            self.session.stop("next training call", guarded_until_settle=True)
         self.session.settle()
 
     def metrics(self) -> dict:

@@ -252,6 +252,13 @@ class OffloadOptions:
     def keep_for(self, phase: str) -> frozenset:
         return self.keep.get(phase, frozenset()) | self.keep.get("*", frozenset())
 
+    def keeping(self, phase: str, names) -> "OffloadOptions":
+        """A copy that also keeps ``names`` active during ``phase`` (adapters add the
+        groups a framework's rollout itself uses)."""
+        keep = {p: set(kept) for p, kept in self.keep.items()}
+        keep[phase] = keep.get(phase, set()) | set(names)
+        return self.replace(keep={p: sorted(kept) for p, kept in keep.items()})
+
     def replace(self, **changes) -> "OffloadOptions":
         """A copy with ``changes``, validated again."""
         return dataclasses.replace(self, **changes)

@@ -374,8 +374,7 @@ def worker_cycle(args):
             record(f"amem.end on {threading.current_thread().name}")
             return super().end(phase)
 
-    adapter.make_policy = lambda s: SpyPolicy(backend=fake.backend(), keep=list(s.keep),
-                                              guard=s.guard)
+    adapter.make_policy = lambda s: SpyPolicy(s.options(backend=fake.backend()))
     import amem_callbacks.headroom as headroom
 
     headroom.gpu_total_bytes = lambda device=None: 80 * 2**30  # an 80 GiB GPU, on the CPU

@@ -160,7 +160,7 @@ def test_fsdp_suspends_after_the_handoff_before_the_kv_cache_and_resumes_when_ro
 
         def step(first):
             return ([("rollout", ALL), ("replica.sleep", ALL),
-                     ("amem.end on amem-verl-resume", ALL)]  # sleep_replicas starts the resume
+                     ("amem.end on asyncio_0", ALL)]  # the driver's sleep_replicas thread: resumes start
                     + [(label, []) for label in training(first, save=not first)] + sync())
 
         expected = ([("replica.sleep", []), ("actor.load_checkpoint", [])] + sync()

@@ -96,7 +96,7 @@ def hsdp_and_1d(args):
     from torch.distributed import distributed_c10d as c10d
     from torch.distributed.device_mesh import init_device_mesh
 
-    from amem_callbacks.adapters._trl_groups import _sharding_groups
+    from amem_callbacks.sharded import groups_gathered_over
 
     _init()
     world = c10d._get_default_group()
@@ -111,7 +111,7 @@ def hsdp_and_1d(args):
     out["hsdp"] = {
         "placements": [type(p).__name__ for p in param.placements],
         "mesh_groups": sorted(label(g) for g in mesh.get_all_groups()),
-        "sharding_groups": sorted(label(g) for g, _role, _why in _sharding_groups(model)),
+        "sharding_groups": sorted(label(g) for g, _role, _why in groups_gathered_over(model)),
         "transformers": _uses(_fake_trainer(model), label),
         "vllm_colocate_sleep": _uses(_fake_trainer(model, vllm_sleep_mode=True), label)}
     mesh1 = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
@@ -119,7 +119,7 @@ def hsdp_and_1d(args):
     model1 = _tiny_sharded(mesh1)
     out["one_d"] = {
         "mesh_group_is_world": mesh1.get_group(0) is world,
-        "sharding_groups": sorted(label1(g) for g, _role, _why in _sharding_groups(model1)),
+        "sharding_groups": sorted(label1(g) for g, _role, _why in groups_gathered_over(model1)),
         "transformers": _uses(_fake_trainer(model1), label1),
         "vllm_colocate_sleep": _uses(_fake_trainer(model1, vllm_sleep_mode=True), label1)}
     # reshard_after_forward=2: after forward, the layers gather over pairs of ranks,
@@ -133,7 +133,7 @@ def hsdp_and_1d(args):
                 model2(torch.ones(2, 8))
     finally:
         undo()
-    kept = _sharding_groups(model2)
+    kept = groups_gathered_over(model2)
     out["reshard_to_2"] = [[label1(g), dist.get_world_size(g), why] for g, _role, why in kept]
     out["reshard_to_2_used_kept"] = {id(g) for _, g in used} <= {id(g) for g, _, _ in kept}
     out["reshard_to_2_used_pairs"] = any(dist.get_world_size(g) == 2 for _, g in used)

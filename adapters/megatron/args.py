@@ -1,5 +1,5 @@
-"""The ``--rl-amem-*`` command-line flags, as a Megatron ``extra_args_provider``,
-and the one table that turns them into :class:`~amem_callbacks.OffloadOptions`."""
+"""The ``--rl-amem-*`` flags, as a Megatron ``extra_args_provider``: one table
+(FLAGS) defines them, reads them back, and names the OffloadOptions field each sets."""
 
 from __future__ import annotations
 
@@ -14,27 +14,14 @@ from .roles import ALIASES, VALID_KEEP
 
 logger = logging.getLogger("amem_callbacks")
 
-#: Default safety margin left out of the freed bytes that grow the KV cache:
-#: the KV buffer is one allocation, and the caching allocator rounds it up.
+#: Left out of the freed bytes that grow the KV cache: the cache is one
+#: allocation, and the caching allocator rounds it up.
 DEFAULT_KV_MARGIN_GB = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """The flags' values.
-
-    Args:
-        enabled: ``--rl-amem-offload-during-rollout``.
-        backend: ``--rl-amem-backend``.
-        keep: ``--rl-amem-keep-groups``, as role names.
-        group_id: ``--rl-amem-group-id`` (AMem's ``ncclSetGroupID``).
-        learn_keep: off with ``--rl-amem-no-learn-keep``.
-        overlap: off with ``--rl-amem-blocking``: transitions then sit on the
-            critical path, as in releases before the overlap existed.
-        grow_kv_cache: ``--rl-amem-grow-kv-cache``: every re-allocation of the
-            inference KV cache gets the bytes this rollout's begin freed.
-        kv_margin_gb: ``--rl-amem-kv-cache-margin-gb``, left out of those bytes.
-    """
+    """The flags' values (FLAGS says which flag sets each field)."""
 
     enabled: bool = False
     backend: str = "auto"
@@ -46,25 +33,13 @@ class Settings:
     kv_margin_gb: float = DEFAULT_KV_MARGIN_GB
 
     def options(self, **extra) -> OffloadOptions:
-        """The policy's options: flag -> option through one table (OPTION_TABLE)."""
-        given = {option: convert(getattr(self, field)) for field, (option, convert)
-                 in OPTION_TABLE.items()}
-        given["backend_options"] = self.backend_options()
-        return OffloadOptions(**{**given, **extra})
+        """The policy's options: the fields FLAGS maps to an option, then ``extra``."""
+        given = {option: getattr(self, field) for field, _, option, _ in FLAGS.values() if option}
+        given["keep"] = {"rollout": list(self.keep)}
+        return OffloadOptions(**{**given, "backend_options": self.backend_options(), **extra})
 
     def backend_options(self) -> dict:
         return {"amem": {"group_id": self.group_id}} if self.group_id is not None else {}
-
-
-#: Settings field (i.e. flag) -> (OffloadOptions field, conversion). The
-#: adapter-only flags (enabled, group_id via backend_options, the KV-cache ones)
-#: are not policy options.
-OPTION_TABLE = {
-    "backend": ("backend", str),
-    "keep": ("keep", lambda names: {"rollout": list(names)}),
-    "learn_keep": ("learn_keep", bool),
-    "overlap": ("overlap", bool),
-}
 
 
 def keep_list(text: str) -> tuple:
@@ -80,67 +55,58 @@ def keep_list(text: str) -> tuple:
     return names
 
 
-def group_id(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
-    return value
-
-
+group_id = number_type("must be an integer >= 0", lambda v: v >= 0 and v == int(v))
 gigabytes = number_type("must be a number of GB >= 0", lambda v: v >= 0)
 
 
-def _define(group) -> None:
-    group.add_argument(
-        "--rl-amem-offload-during-rollout", action="store_true",
-        help="suspend the NCCL communicators of the process groups the rollout leaves idle "
-             "while it generates, and resume them for training")
-    group.add_argument(
-        "--rl-amem-backend", choices=BACKEND_CHOICES, default="auto",
-        help="nccl: ncclCommSuspend (NCCL >= 2.29.7); amem: AMem's patched NCCL; noop: dry "
-             "run that only reports; auto: nccl, then amem, else leave training unchanged")
-    group.add_argument(
-        "--rl-amem-keep-groups", type=keep_list, default=(), metavar="NAME[,NAME...]",
-        help="parallel_state roles to keep active during rollout besides the ones the "
-             "engine uses (e.g. dp,world)")
-    group.add_argument(
-        "--rl-amem-no-learn-keep", action="store_true",
-        help="do not keep a group active in later rollouts after the guard had to resume "
-             "it during one (by default such a group stays active from then on)")
-    group.add_argument(
-        "--rl-amem-blocking", action="store_true",
-        help="wait for every suspend and resume where it is issued instead of running them "
-             "behind the rollout and the next training step (slower; for debugging)")
-    group.add_argument(
-        "--rl-amem-grow-kv-cache", action="store_true",
-        help="give the inference engine's KV cache the memory this rollout's suspends freed, "
-             "every time the engine re-allocates it (--rl-kv-cache-management-mode "
-             "recompute; the cache is never re-allocated in persist mode)")
-    group.add_argument(
-        "--rl-amem-kv-cache-margin-gb", type=gigabytes, default=DEFAULT_KV_MARGIN_GB,
-        metavar="GB", help="memory left out of the freed bytes when growing the KV cache "
-                           f"(default {DEFAULT_KV_MARGIN_GB})")
-    group.add_argument(
-        "--rl-amem-group-id", type=group_id, default=None, metavar="N",
-        help="AMem only: ncclSetGroupID value, set before the first communicator exists")
+def _negated(value) -> bool:
+    return not value
+
+
+#: flag -> (Settings field, flag value -> field value, OffloadOptions field or
+#: None for the adapter's own, argparse keywords).
+FLAGS = {
+    "--rl-amem-offload-during-rollout": ("enabled", bool, None, dict(
+        action="store_true", help="suspend the NCCL communicators of the process groups the "
+        "rollout leaves idle while it generates, and resume them for training")),
+    "--rl-amem-backend": ("backend", str, "backend", dict(
+        choices=BACKEND_CHOICES, default="auto", help="nccl: ncclCommSuspend (NCCL >= 2.29.7); "
+        "amem: AMem's patched NCCL; noop: dry run that only reports; auto: nccl, then amem, "
+        "else leave training unchanged")),
+    "--rl-amem-keep-groups": ("keep", tuple, "keep", dict(
+        type=keep_list, default=(), metavar="NAME[,NAME...]", help="parallel_state roles to "
+        "keep active during rollout besides the ones the engine uses (e.g. dp,world)")),
+    "--rl-amem-no-learn-keep": ("learn_keep", _negated, "learn_keep", dict(
+        action="store_true", help="do not keep a group active in later rollouts after the "
+        "guard had to resume it during one (by default such a group stays active from then on)")),
+    "--rl-amem-blocking": ("overlap", _negated, "overlap", dict(
+        action="store_true", help="wait for every suspend and resume where it is issued instead "
+        "of running them behind the rollout and the next training step (slower; for debugging)")),
+    "--rl-amem-grow-kv-cache": ("grow_kv_cache", bool, None, dict(
+        action="store_true", help="give the inference engine's KV cache the memory this "
+        "rollout's suspends freed, every time the engine re-allocates it "
+        "(--rl-kv-cache-management-mode recompute; never re-allocated in persist mode)")),
+    "--rl-amem-kv-cache-margin-gb": ("kv_margin_gb", float, None, dict(
+        type=gigabytes, default=DEFAULT_KV_MARGIN_GB, metavar="GB", help="memory left out of "
+        f"the freed bytes when growing the KV cache (default {DEFAULT_KV_MARGIN_GB})")),
+    "--rl-amem-group-id": ("group_id", int, None, dict(
+        type=group_id, default=None, metavar="N",
+        help="AMem only: ncclSetGroupID value, set before the first communicator exists")),
+}
 
 
 def define(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The flags in their own argument group of ``parser``."""
-    _define(parser.add_argument_group(
-        title="amem_callbacks", description="free idle NCCL communicator memory during rollout"))
+    group = parser.add_argument_group(
+        title="amem_callbacks", description="free idle NCCL communicator memory during rollout")
+    for flag, (_, _, _, keywords) in FLAGS.items():
+        group.add_argument(flag, **keywords)
     return parser
 
 
 def chain(*providers: Callable) -> Callable:
-    """One ``extra_args_provider`` that applies ``providers`` in order.
-
-    Example:
-        >>> extra_args_provider=chain(add_inference_args, add_args)
-    """
+    """One ``extra_args_provider`` that applies ``providers`` in order, e.g.
+    ``chain(add_inference_args, add_args)``."""
     def provider(parser):
         for add in providers:
             parser = add(parser) or parser
@@ -151,21 +117,17 @@ def chain(*providers: Callable) -> Callable:
 
 def settings_from_args(args) -> Settings:
     """Settings from a parsed namespace (Megatron's ``get_args()`` or the launcher's)."""
-    settings = Settings(
-        enabled=bool(getattr(args, "rl_amem_offload_during_rollout", False)),
-        backend=getattr(args, "rl_amem_backend", "auto") or "auto",
-        keep=tuple(getattr(args, "rl_amem_keep_groups", ()) or ()),
-        group_id=getattr(args, "rl_amem_group_id", None),
-        learn_keep=not getattr(args, "rl_amem_no_learn_keep", False),
-        overlap=not getattr(args, "rl_amem_blocking", False),
-        grow_kv_cache=bool(getattr(args, "rl_amem_grow_kv_cache", False)),
-        kv_margin_gb=getattr(args, "rl_amem_kv_cache_margin_gb", DEFAULT_KV_MARGIN_GB))
+    given = {}
+    for flag, (field, convert, _, _) in FLAGS.items():
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if value is not None:
+            given[field] = convert(value)
+    settings = Settings(**given)
     if settings.group_id is not None and settings.backend not in ("auto", "amem"):
         logger.warning("amem_callbacks: --rl-amem-group-id applies to --rl-amem-backend amem "
                        "(or auto); ignored with backend %r", settings.backend)
         settings = dataclasses.replace(settings, group_id=None)
-    if not settings.enabled and settings != dataclasses.replace(Settings(), kv_margin_gb=
-                                                                settings.kv_margin_gb):
+    if not settings.enabled and settings != Settings(kv_margin_gb=settings.kv_margin_gb):
         logger.warning("amem_callbacks: --rl-amem-* options given without "
                        "--rl-amem-offload-during-rollout: nothing will be offloaded")
     return settings
@@ -173,10 +135,8 @@ def settings_from_args(args) -> Settings:
 
 def launcher_parser() -> argparse.ArgumentParser:
     """The flags alone, for the launcher to take out of a command line."""
-    parser = argparse.ArgumentParser(
+    return define(argparse.ArgumentParser(
         prog="python -m amem_callbacks.adapters.megatron", add_help=False, allow_abbrev=False,
         usage="%(prog)s SCRIPT.py|-m MODULE [SCRIPT ARGS and --rl-amem-* flags ...]",
         description="Run a Megatron script with the --rl-amem-* flags and the rollout hooks; "
-                    "the flags may stand anywhere among the script's arguments.")
-    _define(parser.add_argument_group("amem_callbacks"))
-    return parser
+                    "the flags may stand anywhere among the script's arguments."))

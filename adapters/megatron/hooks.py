@@ -1,42 +1,20 @@
-"""Where a Megatron rollout begins and ends, hooked without editing Megatron.
-
-Seams (read from megatron-core 0.19.2 and Megatron-LM core_r0.19.0; the
-controller acts on whichever comes first, and a begin while a rollout is
-active, or an end while none is, does nothing):
-
-* ``megatron.rl.rl_utils.get_environment_rollouts(model, inference_model,
-  optimizer, ...)`` (Megatron-LM's loop asks for rollouts; looked up by name
-  at each call, so wrapping the module attribute reaches it): the deferred
-  parameter gather is finished with the optimizer at hand, and with a
-  launched in-place engine the begin starts here, overlapped. Its exit turns
-  the parameter-gather hooks back on, whatever happened inside.
-* ``megatron.rl.inference.megatron.MegatronLocal.resume`` (once per rollout,
-  after the engine's launch): the begin of the first rollout (the launch
-  broadcasts on ``dp`` and ``world``, so nothing may be suspended before it),
-  of a separate inference model's rollouts, and of Megatron-LM 0.16.
-* ``DynamicInferenceEngine.resume`` (megatron-core; re-allocates the KV cache
-  when the engine really was suspended): the begin of loops that drive the
-  engine themselves, and the KV-cache growth right before the allocation.
-* ``DynamicInferenceEngine.suspend`` (frees the KV cache) and
-  ``MegatronLocal.suspend``: the end, after the cache is gone.
-* ``megatron.core.distributed.DistributedDataParallel.__init__``: every model
-  chunk is tracked, so a loop other than Megatron-LM's gets its deferred
-  parameter gathers finished too.
-
-The modules are patched when they are first imported, so installing the hooks
-imports neither torch nor Megatron.
+"""Where a Megatron rollout begins and ends, hooked without editing Megatron
+(megatron-core 0.19.2, Megatron-LM core_r0.19.0; the seams are listed in
+docs/megatron.md). The controller acts on whichever seam comes first: a begin
+while a rollout is active, or an end while none is, does nothing. Modules are
+patched when first imported, so installing imports neither torch nor Megatron.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable, Optional
+from typing import Callable
 
 from amem_callbacks.patching import Patches, forget, when_imported
 
 from . import param_sync
-from .offload import megatron_args
+from .offload import RolloutOffload, megatron_args
 
 logger = logging.getLogger("amem_callbacks")
 
@@ -50,9 +28,6 @@ DDP_MODULE = param_sync.DDP_MODULE
 
 _lock = threading.Lock()
 _controller = None
-#: builds a controller from Megatron's parsed args when none was installed
-#: (the package sets it: it knows the flags; this module does not)
-_from_megatron_args: Optional[Callable] = None
 _installed = False
 _patches = Patches()
 
@@ -63,18 +38,16 @@ def set_controller(controller) -> None:
     _controller = controller
 
 
-def set_controller_source(source: Callable) -> None:
-    """``source()`` builds a controller from Megatron's parsed args, or None."""
-    global _from_megatron_args
-    _from_megatron_args = source
-
-
 def current_controller():
     """The installed controller; else one built from Megatron's parsed args
     (when ``add_args`` put the flags there); None while offloading is off."""
     global _controller
-    if _controller is None and _from_megatron_args is not None:
-        _controller = _from_megatron_args()
+    if _controller is None:
+        args = megatron_args()
+        if args is not None and hasattr(args, "rl_amem_offload_during_rollout"):
+            from .args import settings_from_args
+
+            _controller = RolloutOffload(settings_from_args(args))
     return _controller if _controller is not None and _controller.enabled else None
 
 
@@ -196,4 +169,4 @@ def remove_hooks() -> None:
 
 
 __all__ = ["current_controller", "engine_suspended", "install_hooks", "megatron_args",
-           "remove_hooks", "set_controller", "set_controller_source"]
+           "remove_hooks", "set_controller"]

@@ -1,28 +1,6 @@
-"""The freed bytes become KV cache: a bigger block pool at each re-allocation.
-
-Megatron's dynamic inference engine sizes its KV cache once, at launch, from
-``buffer_size_gb`` (``DynamicInferenceContext.__init__``: a block count, MIN
-over the pipeline group, then ``KVBlockAllocator(total_count)``). Only in
-``--rl-kv-cache-management-mode recompute`` (megatron-core 0.17+, without
-``--rl-persist-cuda-graphs``, unified memory off, no torch_memory_saver)
-does the engine's ``resume()`` allocate the cache again, from
-``kv_block_allocator.total_count`` (``initialize_all_tensors``), and then
-recapture its CUDA graphs. So, while the engine is suspended, a new allocator
-with more blocks makes that re-allocation bigger, and everything that reads
-the block count live (admission, the overflow check, the statistics) follows.
-``max_requests`` and everything sized by it (CUDA-graph batch list, the
-controller's logits buffer, the coordinator's routing score) stay as they
-were: with the default ``max_requests = blocks - 1`` it binds only for
-requests shorter than one block (256 tokens), so concurrency grows with the
-blocks. In persist, offload, unified-memory or torch_memory_saver set-ups the
-cache keeps its size and address (captured graphs point at it): nothing can
-grow there, and one log line says so.
-
-Every rank of one model replica (the engine's ``mp`` group, TP x PP) must
-allocate the same block count: they schedule the same requests. The extra
-bytes are agreed as the minimum over those ranks, through the c10d store
-(never NCCL), like every other agreement of the package.
-"""
+"""The freed bytes become KV cache: in ``recompute`` mode, a bigger block pool at
+each re-allocation, the same size on every rank of one model replica
+(how and why: docs/megatron.md, "Growing the KV cache")."""
 
 from __future__ import annotations
 

@@ -1,22 +1,12 @@
 """The per-process controller the rollout hooks call: a ``RolloutSession`` over
-Megatron's groups, the deferred parameter gather, the KV-cache growth, and
-the figures for Megatron's loggers.
+Megatron's groups, the deferred parameter gather, the KV-cache growth, and the
+figures for Megatron's loggers.
 
-Where it waits (megatron-core 0.19.2 with Megatron-LM core_r0.19.0's RL loop,
-read from their sources; ``docs/design.md`` has the per-collective audit):
-
-- begin never waits by itself. From the second rollout on it starts where
-  Megatron-LM's loop asks for rollouts (``get_environment_rollouts``), after
-  the deferred parameter gather was finished; the suspends run behind the
-  loop's own set-up and the generation. With ``--rl-amem-grow-kv-cache`` the
-  engine's ``resume`` waits for them just before it allocates the cache.
-- end never waits by itself either: Megatron's training collectives (DDP and
-  distributed-optimizer buckets, clip-grad, loss and logging reductions, TP/PP
-  mappings) are all ProcessGroup method calls the guard holds back until
-  their group is back, and ``world`` (the rollouts' broadcast comes at once)
-  is resumed before the others. Set-ups whose collectives the guard cannot
-  see (Megatron-FSDP's DTensors, training CUDA graphs, NCCL user buffers)
-  make end wait for every group.
+Neither begin nor end waits by itself: begin starts where Megatron-LM asks for
+rollouts (the KV-cache growth waits at the allocation), and Megatron's training
+collectives are ProcessGroup method calls the guard holds back until their
+group is back. Set-ups whose collectives the guard cannot see (Megatron-FSDP,
+training CUDA graphs, NCCL user buffers) make end wait for every group.
 """
 
 from __future__ import annotations
@@ -42,21 +32,11 @@ RESUME_FIRST = ("world",)
 class RolloutOffload:
     """Suspends the groups a Megatron rollout leaves idle, from its begin to its end.
 
-    The policy is built at the first rollout, when ``parallel_state`` exists:
-    which groups stay active depends on the engine (see
-    :func:`~amem_callbacks.adapters.megatron.roles.classify`).
-
-    Args:
-        settings: the flags' values.
-        backend: a Backend instance to use instead of ``settings.backend`` (tests).
-        writers: ``(tensorboard_writer, wandb_writer)``; default: Megatron's
-            global writers, looked up at each report (either may be None).
-        policy_options: more :class:`~amem_callbacks.OffloadOptions` fields.
-
-    Example:
-        >>> controller = RolloutOffload(Settings(enabled=True, keep=("dp",)))
-        >>> controller.rollout_begin(engine)   # every rank
-        >>> controller.rollout_end(engine)
+    The policy is built at the first rollout, once ``parallel_state`` exists
+    (which groups stay active depends on the engine: :func:`roles.classify`).
+    ``backend``: a Backend instance instead of ``settings.backend`` (tests);
+    ``writers``: ``(tensorboard, wandb)``, default Megatron's global writers;
+    ``policy_options``: more OffloadOptions fields.
     """
 
     def __init__(self, settings: Settings, *, backend=None, writers=None,
@@ -208,8 +188,6 @@ def megatron_args():
 def megatron_writers() -> tuple:
     """Megatron-LM's ``(tensorboard, wandb)`` writers; each None when absent."""
     global_vars = sys.modules.get("megatron.training.global_vars")
-    if global_vars is None:
-        return None, None
     return (getattr(global_vars, "_GLOBAL_TENSORBOARD_WRITER", None),
             getattr(global_vars, "_GLOBAL_WANDB_WRITER", None))
 
@@ -224,11 +202,8 @@ def megatron_iteration() -> Optional[int]:
 
 
 def write_metrics(metrics: dict, writers=None, step: Optional[int] = None) -> None:
-    """Send ``amem/...`` figures to tensorboard and wandb, the way Megatron logs.
-
-    Megatron creates its writers on one rank only; elsewhere both are None
-    and nothing is written.
-    """
+    """Send ``amem/...`` figures to tensorboard and wandb, the way Megatron logs
+    (its writers exist on one rank only; elsewhere nothing is written)."""
     tensorboard, wandb = writers if writers is not None else megatron_writers()
     if tensorboard is None and wandb is None:
         return

@@ -1,32 +1,6 @@
-"""Finish Megatron's deferred parameter all-gather before a rollout suspends its group.
-
-With ``--overlap-param-gather`` (distributed or layer-wise optimizer) the
-optimizer step does not gather the updated parameters: forward pre-hooks on
-every submodule do it in the next forward (megatron-core 0.16.1 and 0.19.2,
-``DistributedDataParallel._make_forward_pre_hook``). Megatron-LM's RL loop
-enables those hooks after the first training step and leaves them on during
-in-place inference, so the rollout's first forward issues the all-gather on
-the distributed-optimizer group (``dp_cp``), the very group a rollout
-suspends: measured on one H200, NCCL 2.30.7, an illegal memory access in the
-second rollout.
-
-Choice: do what Megatron itself does before evaluation
-(``megatron.training.training.disable_forward_pre_hook``): stage the
-parameters (``optimizer.prepare_model_params_for_param_sync``, which matters
-for MXFP8 parameter reuse), turn the hooks off with a synchronous gather
-(``disable_forward_pre_hook(param_sync=True)``), and turn them back on once
-the rollout is over. The gather then happens while the group is still
-active, the rollout's forwards issue none, and the next training forward
-dispatches its own as usual. Forcing the gather alone would not do: the
-hooks would still wait on, and with MXFP8 reuse re-dispatch, bucket state
-mid-rollout.
-
-Without the optimizer (a loop that is not Megatron-LM's), a model that reuses
-gradient buffers for MXFP8 gathers cannot be staged; its hooks stay on, and
-the guard, which sees the gather (a ProcessGroup method call inside the
-coalescing manager), resumes its group before it runs; that group is then
-kept in later rollouts (learned keep).
-"""
+"""Finish Megatron's deferred parameter all-gather (``--overlap-param-gather``)
+before a rollout suspends its group, the way Megatron does before evaluation,
+and turn the forward pre-hooks back on after it (why: docs/megatron.md)."""
 
 from __future__ import annotations
 

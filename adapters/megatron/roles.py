@@ -1,11 +1,5 @@
 """Megatron's process groups by their ``parallel_state`` role, and which of
-them a rollout leaves idle.
-
-Megatron keeps its groups in module globals of ``megatron.core.parallel_state``;
-they are read directly (not through the ``get_*_group`` functions) because the
-getters assert on groups that a configuration never creates. The ``*_GLOO``
-twins are left out: they have no NCCL communicator.
-"""
+them a rollout leaves idle (read from the module globals: docs/megatron.md)."""
 
 from __future__ import annotations
 
@@ -168,23 +162,12 @@ def rollout_mode(engine, ps=None) -> str:
 
 
 def classify(engine, keep=(), ps=None, mode: Optional[str] = None) -> RolloutGroups:
-    """Which groups a rollout on ``engine`` keeps active and which it may suspend.
-
-    In-place inference keeps :data:`KEEP_IN_PLACE`. A separate inference model
-    leaves every training group idle; only the groups in its engine's
-    ``pg_collection`` stay active (they are added as ``inference_<field>``, so
-    reports show them and a process-wide backend sees them). ``keep`` adds
-    roles to keep.
-
-    Args:
-        engine: the ``DynamicInferenceEngine`` (or None: in-place).
-        keep: extra role names to keep (``--rl-amem-keep-groups``).
-        ps: the ``parallel_state`` module (tests pass their own).
-        mode: force IN_PLACE or SEPARATE instead of detecting it.
-
-    Example:
-        >>> plan = classify(engine, keep=["dp"])
-        >>> policy = OffloadPolicy(keep=plan.kept_names, groups=plan.groups)
+    """Which groups a rollout on ``engine`` (None: in-place) keeps active and which
+    it may suspend. In-place inference keeps :data:`KEEP_IN_PLACE`; a separate
+    inference model leaves every training group idle and keeps its engine's
+    ``pg_collection`` groups (added as ``inference_<field>``). ``keep``: more
+    role names to keep; ``ps``: the ``parallel_state`` module (tests pass their
+    own); ``mode``: IN_PLACE or SEPARATE instead of detecting it.
     """
     ps = ps or _parallel_state()
     mode = mode or rollout_mode(engine, ps)

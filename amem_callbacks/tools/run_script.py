@@ -1,0 +1,60 @@
+"""Run a user's training script the way ``python SCRIPT.py`` or ``python -m
+MODULE`` would, after an adapter took its own flags out of the command line
+and installed its hooks (``python -m amem_callbacks.adapters.megatron``)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import os
+import runpy
+import sys
+from typing import Callable, Sequence
+
+
+def run_with_flags(parser: argparse.ArgumentParser, argv: Sequence[str],
+                   install: Callable[[argparse.Namespace], object]) -> None:
+    """Take ``parser``'s flags out of ``argv`` (they may stand anywhere), check
+    the target exists, ``install(flags)``, then run ``SCRIPT.py [ARGS]`` or
+    ``-m MODULE [ARGS]`` with the rest. Bad input exits 2 with one line."""
+    argv = list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        sys.exit(0 if argv else 2)
+    ours, rest = parser.parse_known_args(argv)  # a bad value exits 2 naming the choices
+    as_module = rest[:1] == ["-m"] and len(rest) > 1
+    if not (as_module or rest and not rest[0].startswith("-")):
+        parser.error("give the script to run first: SCRIPT.py [ARGS...] or -m MODULE [ARGS...]")
+    if as_module and not _module_exists(rest[1]):
+        parser.error(f"no module named {rest[1]!r}")
+    if not as_module and not os.path.isfile(rest[0]):
+        parser.error(f"no such script: {rest[0]}")
+    log_to_stderr()
+    install(ours)
+    if as_module:
+        sys.argv = rest[1:]
+        runpy.run_module(rest[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = rest
+        sys.path[0] = os.path.dirname(os.path.abspath(rest[0]))  # as `python SCRIPT.py` does
+        runpy.run_path(rest[0], run_name="__main__")
+
+
+def log_to_stderr() -> None:
+    """The package's log lines on stderr, one per line, prefixed with the rank."""
+    log = logging.getLogger("amem_callbacks")
+    if log.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(f"[rank {os.environ.get('RANK', '0')}] %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False  # the script may configure the root logger too: one line each
+
+
+def _module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a missing parent package raises
+        return False
