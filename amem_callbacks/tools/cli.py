@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench", help="measure suspend/resume cost in a synthetic RL loop on all local GPUs "
                       "(or under torchrun); quick by default, --full for the whole sweep",
-        description="Quick by default (about 40 s on one GPU): fewer modes, steps and groups, no "
+        description="Quick by default (about a minute on one GPU): fewer modes, steps and groups, no "
                     "worker sweep, and small NCCL buffers (NCCL_BUFFSIZE=1 MiB, "
                     "NCCL_MAX_NCHANNELS=4, unless already set) so transitions take ~0.4 s. "
                     "--full runs the whole sweep with NCCL's default buffers (minutes). "
