@@ -130,3 +130,47 @@ def test_recompute_mode_reallocates_from_the_allocators_block_count(wheel):
     assert "self.kv_block_allocator.total_count" in allocate
     metadata = _source(wheel, f"{INFERENCE}/contexts/attention_context/mha_metadata.py")
     assert "self.max_blocks = block_count_total" in metadata
+
+
+def _defines(tree, name: str) -> bool:
+    """``name`` is bound at the top level of ``tree`` (def, class, assignment or
+    import, also inside a top-level try/if)."""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) \
+                and node.name == name:
+            return True
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+                return True
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            if any((alias.asname or alias.name) == name for alias in node.names):
+                return True
+    return False
+
+
+def _class_defines(tree, class_name: str, member: str) -> bool:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == class_name:
+            return _defines(ast.Module(body=node.body, type_ignores=[]), member)
+    return False
+
+
+def test_every_megatron_core_name_the_audit_relies_on_is_in_0192(wheel):
+    """The rows test_collective_paths checks on the installed megatron-core (0.16.1
+    in CI), read from the sources of the release users run."""
+    from tests.test_collective_paths import MEGATRON_CORE, MEGATRON_CORE_GROWTH
+
+    missing = []
+    for module, path, why in MEGATRON_CORE + MEGATRON_CORE_GROWTH:
+        try:
+            tree = ast.parse(_source(wheel, module.replace(".", "/") + ".py"))
+        except KeyError:
+            missing.append(f"{module} ({why}): no such file in {VERSION}")
+            continue
+        first, _, member = path.partition(".")
+        found = _class_defines(tree, first, member.split(".")[0]) if member \
+            else _defines(tree, first)
+        if not found:
+            missing.append(f"{module}.{path} ({why})")
+    assert not missing, f"gone from megatron-core {VERSION}:\n" + "\n".join(missing)
