@@ -1,4 +1,6 @@
-"""The KV-cache growth against megatron-core 0.19.2's own block allocator, on CPU.
+"""megatron-core 0.19.2, the release users run, checked on CPU from its wheel:
+the KV-cache growth against its own block allocator, and every name the
+collective-path audit relies on.
 
 megatron-core 0.19.2 needs Python >= 3.12 and a GPU stack to import whole, so
 CI (Python 3.11, megatron-core 0.16.1) cannot install it. Its block allocator
