@@ -87,11 +87,15 @@ class AMemCallback(TrainerCallback):
         self._in_vllm_call = False
         self._hooked = False
         self._settle_after_generate = True
-        self.headroom = None
 
     @property
     def policy(self) -> Optional[OffloadPolicy]:
         return self.session.policy if self.session is not None else None
+
+    @property
+    def headroom(self):
+        """What the first begin's freed memory allows vLLM's share (colocated), or None."""
+        return self.session.headroom if self.session is not None else None
 
     @property
     def last_begin(self):
@@ -193,17 +197,11 @@ class AMemCallback(TrainerCallback):
             return
         logger.debug("amem_callbacks: generation starts (%s): begin", where)
         report = self.session.start(where, need_bytes=None if memory_needed_now else 0)
-        if memory_needed_now and self.headroom is None and report is not None:
-            self._tell_headroom(report)
-
-    def _tell_headroom(self, report) -> None:
-        """Once, with vLLM colocated: how far ``vllm_gpu_memory_utilization`` can go
-        with the freed memory (vLLM sizes its KV cache at start-up)."""
-        from amem_callbacks import headroom
-
-        current = getattr(getattr(self.trainer, "args", None), "vllm_gpu_memory_utilization", None)
-        self.headroom = headroom.tell("vllm_gpu_memory_utilization", current, report,
-                                      self.policy.options.device)
+        if memory_needed_now:  # vLLM colocated: how far its share can go, once
+            self.session.tell_headroom(
+                "vllm_gpu_memory_utilization",
+                getattr(getattr(self.trainer, "args", None), "vllm_gpu_memory_utilization", None),
+                report)
 
     def _stop(self, where: str) -> None:
         if self.session is None or not self.session.active:
@@ -297,10 +295,7 @@ class AMemCallback(TrainerCallback):
     # --- metrics ------------------------------------------------------------------
     def metrics(self, prefix: str = "amem/") -> dict:
         """This rank's running totals and its last begin and end, flat."""
-        out = self.session.metrics(prefix) if self.session is not None else {}
-        if self.headroom is not None:
-            out.update(self.headroom.as_dict(prefix))
-        return out
+        return self.session.metrics(prefix) if self.session is not None else {}
 
     def _log_with_metrics(self, original, logs, *args, **kwargs):
         # Eval logs are prefixed by the trainer from their first key: leave them alone.

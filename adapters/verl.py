@@ -78,12 +78,15 @@ class WorkerSession:
         self.settings = settings
         self.session = RolloutSession(policy)
         self.gpu_memory_utilization = gpu_memory_utilization  # the rollout's vLLM/SGLang share
-        self.headroom = None  # from the first begin: how far that share can go
         self._lock = threading.Lock()
 
     @property
     def policy(self):
         return self.session.policy
+
+    @property
+    def headroom(self):
+        return self.session.headroom
 
     @property
     def reports(self) -> dict:
@@ -97,12 +100,8 @@ class WorkerSession:
         ``keep: [world]`` no suspended group need contain its peers."""
         with self._lock:
             report = self.session.start("update_weights", need_bytes=None)
-            if self.headroom is None and report is not None and not report.skipped:
-                from amem_callbacks import headroom  # once: how far the rollout's share can go
-
-                self.headroom = headroom.tell(
-                    "actor_rollout_ref.rollout.gpu_memory_utilization",
-                    self.gpu_memory_utilization, report, self.policy.options.device)
+            self.session.tell_headroom("actor_rollout_ref.rollout.gpu_memory_utilization",
+                                       self.gpu_memory_utilization, report)
             if kv_cache_next:
                 late = self.session.store_barrier("verl-suspended")  # rounds number the calls
                 if late:
@@ -124,11 +123,9 @@ class WorkerSession:
         self.session.settle()
 
     def metrics(self) -> dict:
-        """Totals plus the last finished begin and end, as flat ``amem/...`` numbers."""
-        out = self.session.metrics(METRIC_PREFIX)
-        if self.headroom is not None:
-            out.update(self.headroom.as_dict(METRIC_PREFIX))
-        return out
+        """Totals, the last finished begin and end and the headroom, as flat
+        ``amem/...`` numbers."""
+        return self.session.metrics(METRIC_PREFIX)
 
 
 _session: Optional[WorkerSession] = None

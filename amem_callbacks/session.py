@@ -61,6 +61,7 @@ class RolloutSession:
         self.phase = phase
         self.history: collections.deque = collections.deque(maxlen=history)
         self.waited = {"start": 0.0, "stop": 0.0, "memory": 0.0}  # caller seconds, cumulative
+        self.headroom = None  # see tell_headroom
         self._lock = threading.RLock()
 
     @property
@@ -129,6 +130,17 @@ class RolloutSession:
         groups are suspended): see :meth:`OffloadPolicy.store_barrier`."""
         return self.policy.store_barrier(name)
 
+    def tell_headroom(self, setting: str, current: Optional[float],
+                      report: Optional[TransitionReport]) -> None:
+        """Once, at the first begin that freed something: log how far the rollout
+        engine's memory share ``setting`` (now ``current``) can rise with the freed
+        memory (vLLM sizes its KV cache at start-up); ``metrics()`` carries it too."""
+        if self.headroom is not None or report is None or report.skipped:
+            return
+        from . import headroom
+
+        self.headroom = headroom.tell(setting, current, report, self.policy.options.device)
+
     def last(self, kind: str) -> Optional[TransitionReport]:
         """The latest finished report of ``kind`` ("begin" or "end")."""
         for _where, report in reversed(self.history):
@@ -150,6 +162,8 @@ class RolloutSession:
             report = self.last(kind)
             if report is not None:
                 out.update(report.as_dict(prefix))
+        if self.headroom is not None:
+            out.update(self.headroom.as_dict(prefix))
         return out
 
     def _record(self, where: str, report: TransitionReport) -> TransitionReport:
