@@ -114,7 +114,8 @@ def controller_for(args, fake, **extra):
 
     backend = extra.pop("backend", None) or fake.backend()
     settings = Settings(enabled=True, keep=tuple(args.get("keep", ())),
-                        backend=args.get("backend_name", "auto"))
+                        backend=args.get("backend_name", "auto"),
+                        overlap=not args.get("blocking", False))
     return install(settings=settings, backend=backend, agree_timeout_s=20, timeout_s=30, **extra)
 
 

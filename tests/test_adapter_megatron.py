@@ -336,10 +336,13 @@ def test_a_persistent_kv_cache_is_never_grown_and_says_why():
 def test_without_fix_and_guard_the_gather_dies_on_the_suspended_group_as_on_gpu():
     """The scenario reproduces issue #22's crash: with neither the deferred-gather
     fix nor the guard, the gather reaches dp_cp's suspended communicator and the
-    fake NCCL ends the process, as real NCCL did (illegal memory access)."""
+    fake NCCL ends the process, as real NCCL did (illegal memory access). Blocking
+    transitions, as in the crash: overlapped, the gather may win the race against
+    dp_cp's suspend and the first death come on another group."""
     outcome = run_ranks(f"{SCENARIOS}:loop_seam", world=2, timeout=180, expect_ok=False,
                         allow_fake_nccl_fatal=True,
-                        args={"rollouts": 2, "skip_param_sync": True, "no_guard": True})
+                        args={"rollouts": 2, "skip_param_sync": True, "no_guard": True,
+                              "blocking": True})
     # the first rank to get there dies; its peer then fails on the broken connection
     assert all(r["returncode"] != 0 for r in outcome) and 86 in [r["returncode"] for r in outcome]
     assert any("on group 'dp_cp'" in line for r in outcome for line in r["fake_nccl_fatal"])
