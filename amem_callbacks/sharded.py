@@ -44,9 +44,8 @@ def groups_gathered_over(model, sharding: str = "FSDP") -> list:
         names = getattr(mesh, "mesh_dim_names", None)
         for dim, placement in enumerate(getattr(param, "placements", ()) if mesh else ()):
             if callable(getattr(placement, "is_shard", None)) and placement.is_shard():
-                role = names[dim] if names else None
-                found.setdefault(id(mesh.get_group(dim)),
-                                 (mesh.get_group(dim), role, _why(role if role else dim)))
+                role, group = (names[dim] if names else None), mesh.get_group(dim)
+                found.setdefault(id(group), (group, role, _why(role if role else dim)))
     if keep_world or not found:
         found.setdefault(id(world), (world, None, legacy_why))
     return sorted(found.values(), key=lambda entry: entry[0] is not world)  # world first

@@ -7,6 +7,8 @@ import os
 import statistics
 import sys
 
+from .pairs import Interleaved
+
 GOALS = {"P1": (">=", 0.99), "P2": ("<=", 0.10), "P2b": ("<=", 1.0), "P3": ("<=", 1.01),
          "P4": (">=", 0.99), "P5": (">=", 0.8)}
 MEANING = {
@@ -38,14 +40,15 @@ def _pair_ratios(raw_pairs) -> dict:
     """Step time with / without inside each pair, their median and spread; {} without pairs."""
     if not raw_pairs or not raw_pairs.get("pairs"):
         return {}
-    ratios = [p["results"]["overlap"]["step_s"] / p["results"]["none"]["step_s"]
-              for p in raw_pairs["pairs"]]
-    return {"median": statistics.median(ratios), "spread": [min(ratios), max(ratios)],
-            "ratios": ratios, "pairs": raw_pairs["pairs"]}
+    result = Interleaved.from_dict(raw_pairs)
+    return {"median": result.ratio("step_s"), "spread": result.spread("step_s"),
+            "ratios": result.ratios("step_s"), "pairs": raw_pairs["pairs"],
+            "control": raw_pairs.get("control")}
 
 
 def summarise(raw: dict, args, world: int, dry_run: bool) -> dict:
     modes = raw["modes"]
+    pairs = _pair_ratios(raw.get("pairs"))
     mean = {m: _mean_steady(v["step_s"]) for m, v in modes.items()}
     extra = {m: mean[m] - mean["none"] for m in mean} if "none" in mean else {}
     begins = {m: modes[m]["reports"].get("begin", []) for m in ("naive", "overlap") if m in modes}
@@ -71,11 +74,8 @@ def summarise(raw: dict, args, world: int, dry_run: bool) -> dict:
         "P5": progress.get("begin", {}).get("ratio"),
         "P5_end": progress.get("end", {}).get("ratio"),
         "learn_over_nolearn": _ratio(mean.get("touch"), mean.get("touch-nolearn")),
-        "step_ratio_pairs": None,
+        "step_ratio_pairs": pairs.get("median"),
     }
-    pairs = _pair_ratios(raw.get("pairs"))
-    if pairs:
-        figures["step_ratio_pairs"] = pairs["median"]
     verdicts = {}
     for name, (op, goal) in GOALS.items():
         value = figures[name]

@@ -56,6 +56,12 @@ class Interleaved:
         ratios = self.ratios(key)
         return [min(ratios), max(ratios)] if ratios else None
 
+    @classmethod
+    def from_dict(cls, data: dict) -> "Interleaved":
+        """The inverse of :meth:`as_dict` (a result read back from JSON)."""
+        return cls(sides=tuple(data["sides"]), control=data.get("control"), pairs=[
+            Pair(p["index"], tuple(p["order"]), p["results"], p["wall_s"]) for p in data["pairs"]])
+
     def as_dict(self) -> dict:
         return {"sides": list(self.sides),
                 "pairs": [{"index": p.index, "order": list(p.order), "results": p.results,
