@@ -106,6 +106,12 @@ def test_with_and_without_run_in_interleaved_pairs(bench):
     assert all(len(p["results"][side]["steps_s"]) == 2 for p in pairs["pairs"]
                for side in ("none", "overlap"))
     assert "interleaved pairs, step time overlap / none: median" in run.stdout
+    control = pairs["control"]  # the baseline once more, after the pairs
+    assert control["name"] == "none" and len(control["result"]["steps_s"]) == 2
+    baselines = sorted(p["results"]["none"]["step_s"] for p in pairs["pairs"])
+    assert pairs["control_over_baseline"] == pytest.approx(
+        control["result"]["step_s"] / baselines[1])
+    assert "control (none, after the pairs) / the pairs' none:" in run.stdout
 
 
 def _resolved(*argv):

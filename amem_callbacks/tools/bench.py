@@ -266,8 +266,10 @@ def _interleaved_pairs(loop: Loop, backend: str, workers: int, sampler, pairs: i
                                                      for p in parts)}
         return run
 
+    # control: the baseline once more after the pairs; how far it drifts from the
+    # pairs' baselines says how much of a ratio is the machine, not the package
     return interleaved({"none": side("none", None), "overlap": side("overlap", policy)},
-                       pairs=pairs).as_dict()
+                       pairs=pairs, control=("none", side("none", None))).as_dict()
 
 
 def _sweep(loop: Loop, backend: str, stages) -> dict:

@@ -41,9 +41,13 @@ def _pair_ratios(raw_pairs) -> dict:
     if not raw_pairs or not raw_pairs.get("pairs"):
         return {}
     result = Interleaved.from_dict(raw_pairs)
+    control = result.control
+    drift = None
+    if control:  # the control's step time against the pairs' baselines (median)
+        drift = control["result"]["step_s"] / statistics.median(result.values("none", "step_s"))
     return {"median": result.ratio("step_s"), "spread": result.spread("step_s"),
             "ratios": result.ratios("step_s"), "pairs": raw_pairs["pairs"],
-            "control": raw_pairs.get("control")}
+            "control": control, "control_over_baseline": drift}
 
 
 def summarise(raw: dict, args, world: int, dry_run: bool) -> dict:
@@ -121,6 +125,9 @@ def table(summary: dict) -> str:
         lines += ["", f"interleaved pairs, step time overlap / none: median {pairs['median']:.3f} "
                       f"(spread {pairs['spread'][0]:.3f}-{pairs['spread'][1]:.3f}, "
                       f"{len(pairs['ratios'])} pairs, alternating which side ran first)"]
+        if pairs.get("control_over_baseline") is not None:
+            lines.append(f"control (none, after the pairs) / the pairs' none: "
+                         f"{pairs['control_over_baseline']:.3f}")
     if summary["dry_run"]:
         # CPU stand-in timings: goals beside them would read as verdicts on GPU behaviour
         lines += ["", "DRY RUN figures (nothing is suspended or freed; ratios of the stand-in's "

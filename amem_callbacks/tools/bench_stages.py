@@ -65,7 +65,8 @@ def plan(args, on_gpu: bool, workers: int) -> list:
                for m in args.modes]
     if args.pairs:
         stages.append((f"interleaved pairs ({args.pairs})",
-                       args.pairs * args.steps * (2 * step + per_mode["overlap"])))
+                       args.pairs * args.steps * (2 * step + per_mode["overlap"])
+                       + args.steps * step))  # and the control
     stages += [("guard overhead (P3)", 2 * batch + calls * _SMALL_CALL_S[on_gpu]),
                ("caller-thread progress (P5)", 1.0 + 2 * batch / max(1, workers)),
                ("bandwidth after", bandwidth)]
