@@ -103,12 +103,46 @@ def figures(prefix: str) -> dict:
     times = [it["time"] for it in first["iterations"]]
     out["step_s"] = _median([b - a for a, b in zip(times[1:], times[2:])] or
                             [b - a for a, b in zip(times, times[1:])])
+    out.update(_phase_figures(records))
     last = records[max(records)]
     out["losses"] = [(it["iteration"], it["loss"]) for it in last["iterations"]]
     amem = first.get("amem") or {}
     if amem.get("installed"):
         out.update(_transition_figures(amem, len(first["generations"])))
     return out
+
+
+def _phase_figures(records: dict) -> dict:
+    """Where each later rollout's time went, taking the slowest rank (the step goes
+    on when every rank is back): waiting for the KV allocation (with the package,
+    the suspends it waits for), then generating with the cache in place; and the
+    training step proper (the rollout excluded)."""
+    waits, generating = [], []
+    marks = {rank: _event_times(r.get("events") or []) for rank, r in records.items()}
+    rollouts = min((len(m["rollouts_back"]) for m in marks.values()), default=0)
+    for k in range(1, rollouts):  # the first cache comes from the engine's launch
+        waits.append(max(m["kv_allocated"][k] - m["rollouts_asked"][k] for m in marks.values()))
+        generating.append(max(m["rollouts_back"][k] - m["kv_allocated"][k]
+                              for m in marks.values()))
+    out = {}
+    if generating:
+        tokens = records[min(records)]["generations"][1:]
+        out["wait_before_kv_s"] = _median(waits)
+        out["generation_s"] = _median(generating)
+        out["generation_tokens_per_s"] = _median(
+            [g["generated_tokens"] / s for g, s in zip(tokens, generating)])
+    trains = [r.get("train_step_seconds") or [] for r in records.values()]
+    if all(trains):
+        out["train_step_s"] = _median([max(step) for step in zip(*trains)])
+    return out
+
+
+def _event_times(events: list) -> dict:
+    times = {"rollouts_asked": [], "kv_allocated": [], "rollouts_back": []}
+    for name, at in events:
+        if name in times:
+            times[name].append(at)
+    return times
 
 
 def _transition_figures(amem: dict, rollouts: int) -> dict:
@@ -146,8 +180,7 @@ def _load(path: str):
 # --- the sub-commands ---------------------------------------------------------
 def run(args) -> int:
     """Pairs, then the control; stops early (whole pairs only) when the next pair
-    would not end within ``--budget-s``, and at once when a run without the
-    package fails (the set-up is wrong: nothing after it would mean anything)."""
+    would not end within ``--budget-s``, and at once when a run fails."""
     runs.install_bundle()
     os.makedirs(args.out, exist_ok=True)
     port = 29700 + 20 * args.first
@@ -162,9 +195,9 @@ def run(args) -> int:
             outcome = one_run(args, f"pair{index}_{side}", side == "with", args.buffer_gb, port)
             durations.append(outcome["seconds"])
             port += 2
-            if side == "without" and outcome["rc"] != 0:
-                print("a run without the package failed: stopping", flush=True)
-                return 1
+            if outcome["rc"] != 0:  # the set-up (without) or the package (with) is wrong:
+                print(f"the run {side} the package failed: stopping", flush=True)
+                return 1  # nothing after it would mean anything; keep the device time
     if args.control:
         grown = [figures(p[:-len(".outcome.json")]).get("kv_bytes")
                  for p in glob.glob(os.path.join(args.out, "pair*_with.outcome.json"))]
@@ -221,6 +254,13 @@ def merge(args) -> int:
         "rollout_tokens_per_s_ratio": tokens,
         "rollout_tokens_per_s_ratio_spread": result.spread("tokens_per_s"),
         "step_time_ratio": result.ratio("step_s"), "step_time_ratio_spread": result.spread("step_s"),
+        # the rollout's wall split: the wait before the KV allocation, then generation
+        "generation_tokens_per_s_ratio": result.ratio("generation_tokens_per_s"),
+        "generation_tokens_per_s_ratio_spread": result.spread("generation_tokens_per_s"),
+        "generation_s_ratio": result.ratio("generation_s"),
+        "wait_before_kv_s": {side: _median([p.results[side].get("wait_before_kv_s")
+                                            for p in pairs]) for side in ("without", "with")},
+        "train_step_time_ratio": result.ratio("train_step_s"),
         "control_fails": None if control is None else not control.get("complete"),
         "control": control, "pairs": result.as_dict()["pairs"], "commands": commands,
         "goals": {"tokens_gain_at_least_0.8_of_capacity_gain":
@@ -240,8 +280,10 @@ def merge(args) -> int:
                 "per_run": withs, "commands": commands}
     with open(os.path.join(args.out, "critical_path.json"), "w") as f:
         json.dump(critical, f, indent=1, default=str)
-    print(json.dumps({k: gain[k] for k in ("capacity_ratio", "rollout_tokens_per_s_ratio",
-                                          "step_time_ratio", "control_fails")}, indent=1))
+    print(json.dumps({k: gain[k] for k in (
+        "capacity_ratio", "rollout_tokens_per_s_ratio", "generation_tokens_per_s_ratio",
+        "wait_before_kv_s", "step_time_ratio", "train_step_time_ratio", "control_fails")},
+        indent=1))
     return 0
 
 

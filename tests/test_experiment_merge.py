@@ -5,6 +5,8 @@ import json
 import os
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -51,3 +53,30 @@ def test_merge_reports_medians_of_pair_ratios_and_the_control(tmp_path):
     # (0.2 + 1.8 + 0.4) s waited over 2 rollouts, against (2 + 1) s of transitions each
     assert critical["critical_path_s"] == 1.2 and critical["transition_wall_s"] == 3.0
     assert abs(critical["critical_fraction"] - 0.4) < 1e-9
+
+
+def test_merge_splits_the_rollout_into_the_wait_for_the_kv_cache_and_generation(tmp_path):
+    """The slower rank counts; the first rollout (cache from the launch) does not."""
+    sys.path.insert(0, ROOT)
+    from experiments import rollout_gain
+
+    folder = str(tmp_path)
+    for index in range(2):
+        for side, wait, generation in (("without", 0.1, 10.0), ("with", 3.0, 8.0)):
+            write_run(folder, f"pair{index}_{side}", 100.0, 100, 10.0, amem=side == "with")
+            for rank, lag in ((0, 0.0), (1, 0.5)):  # rank 1 is the slower one
+                path = os.path.join(folder, f"pair{index}_{side}.rank{rank}.json")
+                record = json.load(open(path)) if rank == 0 else json.load(open(
+                    os.path.join(folder, f"pair{index}_{side}.rank0.json")))
+                record["rank"] = rank
+                record["events"] = [e for t in (0.0, 100.0) for e in (
+                    ["rollouts_asked", t], ["kv_allocated", t + wait + lag],
+                    ["rollouts_back", t + wait + lag + generation + lag])]
+                record["train_step_seconds"] = [5.0 + lag, 6.0 + lag]
+                json.dump(record, open(path, "w"))
+    rollout_gain.main(["merge", folder])
+    gain = json.load(open(os.path.join(folder, "rollout_gain.json")))
+    assert gain["wait_before_kv_s"] == pytest.approx({"without": 0.6, "with": 3.5})
+    assert abs(gain["generation_s_ratio"] - 8.5 / 10.5) < 1e-9
+    assert abs(gain["generation_tokens_per_s_ratio"] - 10.5 / 8.5) < 1e-9
+    assert gain["train_step_time_ratio"] == 1.0

@@ -12,7 +12,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.gpu
-def test_gpu_suite(tmp_path):
+@pytest.mark.timeout(1800)  # not the project's 300 s: core, multinode and reliability on
+def test_gpu_suite(tmp_path):  # one H200 take about 5 min (the fault cases: 40-70 s each)
     out = str(tmp_path / "gpu")
     run = subprocess.run([sys.executable, "-m", "tests.gpu.run_all", "--out", out,
                           "--small-buffers", "--only", "core,multinode,reliability"],
