@@ -12,7 +12,7 @@ import tempfile
 import time
 
 from .. import __version__
-from ..options import number_type
+from ..options import BACKEND_CHOICES, number_type
 
 MIN_RANKS = 2  # a 1-rank communicator has no peer buffers to free
 
@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--rollout-s", type=positive_seconds, default=0.5, metavar="SECONDS",
                       help="compute time of each rollout, while the idle groups are suspended "
                            "(default 0.5)")
-    demo.add_argument("--backend", choices=("auto", "nccl", "amem", "noop"), default=None,
+    demo.add_argument("--backend", choices=BACKEND_CHOICES, default=None,
                       help="default: auto on GPUs, noop on CPU")
     demo.add_argument("--out", metavar="DIR", default=None,
                       help="folder for demo.json, the full metrics (default: a new folder "
@@ -99,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--guard-calls", type=positive_int, default=None,
                        help=f"small collectives per side for P3, in 24 alternating blocks "
                             f"(quick {QUICK['guard_calls']}, full {FULL['guard_calls']})")
-    bench.add_argument("--backend", choices=("nccl", "amem", "noop"), default=None,
+    # Not "auto": a bench measures one named backend's cost.
+    bench.add_argument("--backend", choices=BACKEND_CHOICES[1:], default=None,
                        help="default: nccl on GPUs, noop on CPU (a dry run)")
     bench.add_argument("--out", metavar="DIR", default=None,
                        help="folder for bench.json and the memory plot (default: a new folder "
