@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from amem_callbacks.options import OptionError
+from amem_callbacks.options import OptionError, check_block, plain, valid_keys
 
 CONFIG_KEY = "actor_rollout_ref.rollout.custom.amem"
 #: key -> (accepted types, how the message describes it)
@@ -16,7 +16,7 @@ OPTIONS = {
     "guard": ((str,), "'resume', 'strict' or 'off'"),
     "learn_keep": ((bool,), "true or false"),
 }
-VALID_KEYS = ", ".join(f"{k} ({d})" for k, (_, d) in OPTIONS.items())
+VALID_KEYS = valid_keys(OPTIONS)
 
 
 @dataclass(frozen=True)
@@ -40,23 +40,11 @@ class AmemSettings:
 
 
 def read_settings(custom) -> AmemSettings:
-    """The ``amem`` settings in ``rollout.custom``; off when there is no block.
-
-    Group names in ``keep`` are checked later, where the groups exist, when
-    the worker builds its policy.
-
-    Args:
-        custom: ``actor_rollout_ref.rollout.custom``: a dict, a DictConfig or None.
-
-    Raises:
-        ValueError: an unknown key, a wrong type or an unknown choice; the
-            message lists the valid keys.
-
-    Example:
-        >>> read_settings({"amem": {"enable": True, "keep": ["world"]}}).keep
-        ('world',)
-    """
-    custom = _plain(custom)
+    """The ``amem`` settings in ``custom`` (``actor_rollout_ref.rollout.custom``: a
+    dict, a DictConfig or None); off without the block. A bad key, type or choice
+    raises OptionError (a ValueError) listing the valid keys; names in ``keep`` are
+    checked later, where the groups exist, when the worker builds its policy."""
+    custom = plain(custom)
     if custom is None:
         return AmemSettings()
     if not isinstance(custom, Mapping):
@@ -72,29 +60,10 @@ def read_settings(custom) -> AmemSettings:
                          "the end of rollout (sleep_replicas) to the next training call, and the "
                          "suspend must finish before the KV cache comes back, so there is "
                          f"nothing left to overlap: remove the key; valid keys: {VALID_KEYS}")
-    unknown = sorted(str(k) for k in block if k not in OPTIONS)
-    if unknown:
-        raise OptionError(f"{CONFIG_KEY}: unknown key(s) {unknown}; valid keys: {VALID_KEYS}")
-    for key, value in block.items():
-        types, description = OPTIONS[key]
-        wrong = not isinstance(value, types)
-        if key == "keep" and not wrong:
-            wrong = not all(isinstance(name, str) and name for name in value)
-        if wrong:
-            raise OptionError(f"{CONFIG_KEY}.{key} must be {description}, got {value!r}; "
-                             f"valid keys: {VALID_KEYS}")
+    check_block(CONFIG_KEY, block, OPTIONS)
     settings = AmemSettings(**{k: tuple(v) if k == "keep" else v for k, v in block.items()})
     try:  # the options' own checks of the choices; keep names wait for the groups to exist
         settings.options(keep=())
     except ValueError as exc:
         raise OptionError(f"{CONFIG_KEY}: {exc}; valid keys: {VALID_KEYS}") from None
     return settings
-
-
-def _plain(value):
-    """A DictConfig/ListConfig as plain containers; anything else unchanged."""
-    if type(value).__module__.startswith("omegaconf"):
-        from omegaconf import OmegaConf
-
-        return OmegaConf.to_container(value, resolve=True)
-    return value

@@ -1,6 +1,5 @@
-"""TRL: ``AMemCallback`` frees idle NCCL memory while a GRPO (or RLOO) trainer
-generates, read from trl 1.16. Where each phase starts and ends, and which
-groups stay active, is in docs/trl.md."""
+"""TRL 1.16: ``AMemCallback`` frees idle NCCL memory while a GRPO (or RLOO) trainer
+generates (where each phase starts and ends, what stays active: docs/trl.md)."""
 
 from __future__ import annotations
 
@@ -9,12 +8,13 @@ import logging
 import sys
 from typing import Iterable, Mapping, Optional, Union
 
-from amem_callbacks import OffloadPolicy, name_group
-from amem_callbacks.groups import register_roles
+from amem_callbacks import OffloadPolicy
 from amem_callbacks.errors import AdapterError
+from amem_callbacks.groups import keep_name, register_roles
+from amem_callbacks.log import logger
 from amem_callbacks.options import OffloadOptions, OptionError, check_bool, map_options
 from amem_callbacks.patching import Patches
-from amem_callbacks.session import RolloutSession
+from amem_callbacks.session import RolloutSession, SessionViews
 
 from ._trl_groups import generation_mode, groups_generation_uses, needs_settle_after_generate
 
@@ -23,8 +23,6 @@ try:
 except ImportError as exc:  # the extra was not installed
     raise ImportError("amem_callbacks.adapters.trl needs TRL and transformers: "
                       "pip install 'amem-callbacks[trl]'") from exc
-
-logger = logging.getLogger("amem_callbacks")
 
 PHASE = "rollout"
 # Accelerator methods that are collective: the first one inside generation ends the phase.
@@ -38,28 +36,15 @@ _in_server_call: list = []
 register_roles(("vllm_tp", "vllm"))
 
 
-class AMemCallback(TrainerCallback):
+class AMemCallback(TrainerCallback, SessionViews):
     """Suspends the NCCL groups generation leaves idle, and resumes them before the
     first collective after it. Add it to ``callbacks=``; nothing else to call.
 
-    Args:
-        backend: "auto", "nccl", "amem", "noop" (dry run), or a Backend instance.
-        keep: groups to leave active during generation, besides the ones
-            generation itself uses (vLLM's groups; the groups a sharded model
-            gathers over while generating), which the callback adds.
-        guard: "resume", "strict" or "off" (see ``OffloadPolicy``).
-        overlap: run suspends and resumes in the background; where the memory
-            is needed at once (vLLM's KV-cache wake-up) or the next collectives
-            bypass the guard (torch DDP's reducer) the callback waits anyway.
-        suspend_in_server_mode: with ``vllm_mode="server"`` nothing on the
-            trainer's GPUs can use freed memory, so nothing is suspended there
-            unless this is True.
-        log_metrics: add the ``amem/...`` figures to the trainer's logs.
-        **policy_options: any other :class:`~amem_callbacks.OffloadOptions` field.
-
-    Example:
-        >>> trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args,
-        ...                       train_dataset=dataset, callbacks=[AMemCallback()])
+    The options are in docs/trl.md: ``backend``, ``keep`` (the groups generation
+    itself uses are added), ``guard``, ``overlap``, ``log_metrics`` (``amem/...`` in
+    the trainer's logs), ``suspend_in_server_mode`` (vLLM server mode suspends
+    nothing unless True: no memory freed here could serve the server), and any
+    other :class:`~amem_callbacks.OffloadOptions` field.
     """
 
     def __init__(self, backend: Union[str, object] = "auto",
@@ -84,62 +69,36 @@ class AMemCallback(TrainerCallback):
         self.mode: Optional[str] = None
         self._inside_generate = False  # between _generate's start and its return
         self._phase_done = False  # this _generate already had its begin and end
-        self._in_vllm_call = False
         self._hooked = False
         self._settle_after_generate = True
 
-    @property
-    def policy(self) -> Optional[OffloadPolicy]:
-        return self.session.policy if self.session is not None else None
-
-    @property
-    def headroom(self):
-        """What the first begin's freed memory allows vLLM's share (colocated), or None."""
-        return self.session.headroom if self.session is not None else None
-
-    @property
-    def last_begin(self):
-        return self.session.last("begin") if self.session is not None else None
-
-    @property
-    def last_end(self):
-        return self.session.last("end") if self.session is not None else None
-
     # --- finding and handing over the trainer ------------------------------
     def on_init_end(self, args, state, control, **kwargs):
-        if self.trainer is None:
-            trainer = self._find_trainer()
-            if trainer is not None:
-                self.attach(trainer)
+        self._attach_found(required=False)
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if self.trainer is None:
-            trainer = self._find_trainer()
-            if trainer is None:
-                raise AdapterError("AMemCallback could not find the trainer it was added to; "
-                                   "hand it over with callback.attach(trainer)")
-            self.attach(trainer)
+        self._attach_found(required=True)
 
-    def _find_trainer(self):
-        """The Trainer up the call stack whose callback handler holds this callback:
-        Trainer events pass the model and optimizer, never the trainer itself."""
+    def _attach_found(self, required: bool) -> None:
+        """Attach the Trainer up the call stack whose callback handler holds this
+        callback: Trainer events pass the model and optimizer, never the trainer."""
         frame = inspect.currentframe()
         try:
-            while frame is not None:
+            while self.trainer is None and frame is not None:
                 candidate = frame.f_locals.get("self")
                 handler = getattr(candidate, "callback_handler", None)
                 if any(cb is self for cb in getattr(handler, "callbacks", ())):
-                    return candidate
+                    self.attach(candidate)
                 frame = frame.f_back
         finally:
             del frame
-        return None
+        if self.trainer is None and required:
+            raise AdapterError("AMemCallback could not find the trainer it was added to; "
+                               "hand it over with callback.attach(trainer)")
 
     def attach(self, trainer) -> "AMemCallback":
-        """Serve ``trainer`` (the explicit form; ``callbacks=[...]`` does it by itself).
-
-        Adds the callback to the trainer's callbacks if it is not there yet.
-        """
+        """Serve ``trainer`` (the explicit form; ``callbacks=[...]`` does it by itself);
+        adds the callback to the trainer's callbacks if it is not there yet."""
         if trainer is None:
             raise OptionError("attach() needs the trainer to serve, e.g. "
                              "AMemCallback().attach(trainer), got None")
@@ -223,12 +182,10 @@ class AMemCallback(TrainerCallback):
 
     # --- set-up at the first generation ----------------------------------------
     def _make_policy(self) -> OffloadPolicy:
-        trainer = self.trainer
         names = []
-        for group, role, why in groups_generation_uses(trainer, self.mode):
-            name = _keep_name(group, role)
-            names.append(name)
-            self.kept.setdefault(name, why)
+        for group, role, why in groups_generation_uses(self.trainer, self.mode):
+            names.append(keep_name(group, role))
+            self.kept.setdefault(names[-1], why)
         if self.kept:
             level = logging.WARNING if "world" in self.kept else logging.INFO
             logger.log(level, "amem_callbacks: generation uses these groups, kept active: %s",
@@ -270,18 +227,16 @@ class AMemCallback(TrainerCallback):
         """Rank 0 suspends right before its request to the server; the other ranks
         when they reach the broadcast of the completions, where everyone resumes."""
         def in_call(original, *args, **kwargs):
-            self._in_vllm_call = True
             _in_server_call.append(self)
             try:
                 return original(*args, **kwargs)
             finally:
-                self._in_vllm_call = False
                 _in_server_call.remove(self)
 
         self._patches.wrap(vllm_generation, "generate", in_call)
         client = getattr(vllm_generation, "vllm_client", None)  # rank 0 only
         if client is not None:
-            request = self._starting("vLLM server request", lambda: self._in_vllm_call)
+            request = self._starting("vLLM server request", lambda: self in _in_server_call)
             for name in ("image_features", "generate"):
                 self._patches.wrap(client, name, before=request)
         module = sys.modules.get("trl.generation.vllm_generation")
@@ -293,10 +248,6 @@ class AMemCallback(TrainerCallback):
         self._stop("broadcast of the server's completions")
 
     # --- metrics ------------------------------------------------------------------
-    def metrics(self, prefix: str = "amem/") -> dict:
-        """This rank's running totals and its last begin and end, flat."""
-        return self.session.metrics(prefix) if self.session is not None else {}
-
     def _log_with_metrics(self, original, logs, *args, **kwargs):
         # Eval logs are prefixed by the trainer from their first key: leave them alone.
         policy = self.policy
@@ -310,15 +261,3 @@ class AMemCallback(TrainerCallback):
 def _server_broadcast(*args, **kwargs) -> None:
     for callback in list(_in_server_call):
         callback._server_broadcast()
-
-
-def _keep_name(group, role: Optional[str]) -> str:
-    """A name for ``keep``: "world" for the default group, else a role or the group key."""
-    from torch.distributed import distributed_c10d as c10d
-
-    if group is c10d._get_default_group():
-        return "world"
-    if role:
-        name_group(group, role)
-        return role
-    return group.group_name

@@ -1,40 +1,24 @@
-"""verl 0.9.1: one config entry frees the idle NCCL memory of every training
-worker while the rollout servers generate::
-
-    actor_rollout_ref.rollout.custom.amem: {enable: true}   # + backend, keep, guard, learn_keep
-
-verl imports this module in each process (the ``verl.plugins`` entry point, or
-``actor_rollout_ref.model.external_lib``); importing it only registers import
-hooks, and every wrapper passes straight through unless ``enable: true``.
-Suspend comes right before ``update_weights`` wakes the KV cache, resume at the
-worker's next training call or earlier, in the background, once the driver's
-``sleep_replicas`` ends rollout: docs/verl.md has the seams and why.
-"""
+"""verl 0.9.1: ``actor_rollout_ref.rollout.custom.amem: {enable: true}``; the training workers'
+and the driver's hooks, installed when verl imports this module (docs/verl.md)."""
 
 from __future__ import annotations
 
 import asyncio
 import inspect
-import logging
 import threading
 from typing import Optional
 
 from amem_callbacks.errors import AdapterError
 from amem_callbacks.groups import register_roles
-from amem_callbacks.patching import Patches, when_imported, wrapper
-from amem_callbacks.session import RolloutSession
+from amem_callbacks.log import logger, warn_once
+from amem_callbacks.patching import ImportHooks, Patches, wrapper
+from amem_callbacks.report import merge_rank_metrics
+from amem_callbacks.session import RolloutSession, SessionViews
 
 from ._verl_config import CONFIG_KEY, AmemSettings, read_settings
-from ._verl_driver import _driver  # noqa: F401  (the driver's state, read by tests)
-from ._verl_driver import (check_config_after, log_with_metrics, merge_rank_metrics,
-                           signal_after_sleep, warn_once)
 
 __all__ = ["AmemSettings", "WorkerSession", "current_session", "install", "make_policy",
            "merge_rank_metrics", "read_settings"]
-
-logger = logging.getLogger("amem_callbacks")
-
-METRIC_PREFIX = "amem/"
 
 # The DeviceMesh dimension names of verl's FSDP engine (its groups' "mesh_<dim>"
 # descriptions): keep lists may name them before the meshes exist.
@@ -51,11 +35,9 @@ RESUME_BEFORE = {
 
 def make_policy(settings: AmemSettings):
     """Build the worker's OffloadPolicy (replace this function to customise it,
-    e.g. tests put a fake NCCL behind it).
-
-    Called on the thread verl runs the worker method on, whose current CUDA
-    device is verl's; the transitions run on other threads: ``device=`` says which.
-    """
+    e.g. tests put a fake NCCL behind it). Runs on verl's thread for the worker
+    method, whose CUDA device is verl's; the transitions run on other threads:
+    ``device=`` says which."""
     import torch
 
     from amem_callbacks import OffloadPolicy
@@ -65,28 +47,17 @@ def make_policy(settings: AmemSettings):
 
 
 # --- the training-worker side ---------------------------------------------
-class WorkerSession:
-    """The rollout phase of one training-worker process.
-
-    ``suspend``, ``rollout_ended`` and ``resume`` are collective: the driver
-    sends each worker call to every rank, and the wrappers call them at the
-    same point of it. The policy overlaps: resumes run in the background from
-    the end of rollout until the next training call waits for them.
-    """
+class WorkerSession(SessionViews):
+    """The rollout phase of one training-worker process. ``suspend``, ``rollout_ended`` and
+    ``resume`` are collective: the driver sends each worker call to every rank, and the
+    wrappers call them at the same point of it. The policy overlaps: resumes run in the
+    background from the end of rollout until the next training call waits for them."""
 
     def __init__(self, settings: AmemSettings, policy, gpu_memory_utilization=None):
         self.settings = settings
         self.session = RolloutSession(policy)
         self.gpu_memory_utilization = gpu_memory_utilization  # the rollout's vLLM/SGLang share
         self._lock = threading.Lock()
-
-    @property
-    def policy(self):
-        return self.session.policy
-
-    @property
-    def headroom(self):
-        return self.session.headroom
 
     @property
     def reports(self) -> dict:
@@ -122,11 +93,6 @@ class WorkerSession:
             self.session.stop("next training call", guarded_until_settle=True)
         self.session.settle()
 
-    def metrics(self) -> dict:
-        """Totals, the last finished begin and end and the headroom, as flat
-        ``amem/...`` numbers."""
-        return self.session.metrics(METRIC_PREFIX)
-
 
 _session: Optional[WorkerSession] = None
 _session_decided = False
@@ -138,11 +104,8 @@ def current_session() -> Optional[WorkerSession]:
 
 
 def _session_for(worker) -> Optional[WorkerSession]:
-    """The session, decided at the worker's first weight update from its config.
-
-    Built there rather than in init_model: the groups exist by then, so the
-    names in ``keep`` can be checked against them.
-    """
+    """The session, decided at the worker's first weight update from its config; there
+    rather than in init_model because the groups exist by then, to check ``keep`` against."""
     global _session, _session_decided
     if not _session_decided:
         settings = read_settings(worker.config.rollout.get("custom"))
@@ -178,55 +141,91 @@ async def _suspend_at_kv_cache(method, self, *args, **kwargs):
         warn_once(f"backend {backend}", "amem_callbacks: checkpoint_engine backend %r: "
                    "trainer and rollout do not share GPUs, nothing is suspended", backend)
         return await method(self, *args, **kwargs)
-    rollout = self.rollout
-    shadowed = rollout.__dict__.get("resume")
-    inner = rollout.resume
     fired = []
 
-    async def resume(*r_args, **r_kwargs):
+    async def resume(inner, *r_args, **r_kwargs):
         tags = r_kwargs.get("tags", r_args[0] if r_args else ())
         if "kv_cache" in tags and not fired:
             fired.append(True)
             await asyncio.to_thread(session.suspend)
         return await inner(*r_args, **r_kwargs)
 
-    rollout.resume = resume
+    for_this_call = Patches()  # on this rollout object, undone when the call returns
+    for_this_call.wrap(self.rollout, "resume", resume, required=True)
     try:
         result = await method(self, *args, **kwargs)
     finally:
-        if shadowed is None:
-            del rollout.resume
-        else:
-            rollout.resume = shadowed
+        for_this_call.undo()
     if not fired:  # free_cache_engine off: no KV cache comes back, suspend now
         await asyncio.to_thread(session.suspend, False)
     return result
 
 
-def _worker_methods(register, dispatch) -> dict:
-    """The two methods the driver calls on the actor worker group."""
+# The two methods the driver calls on the actor worker group (added to it).
+def amem_rollout_ended(self):
+    """Rollout is over (driver): start resuming in the background."""
+    return _session.rollout_ended() if _session is not None else False
 
-    @register(dispatch_mode=dispatch.ONE_TO_ALL)
-    def amem_rollout_ended(self):
-        """Rollout is over (driver): start resuming in the background."""
-        return _session.rollout_ended() if _session is not None else False
 
-    @register(dispatch_mode=dispatch.ONE_TO_ALL)
-    def amem_metrics(self):
-        """This rank's ``amem/...`` figures (empty when amem is off)."""
-        return _session.metrics() if _session is not None else {}
+def amem_metrics(self):
+    """This rank's ``amem/...`` figures (empty when amem is off)."""
+    return _session.metrics() if _session is not None else {}
 
-    return {"amem_rollout_ended": amem_rollout_ended, "amem_metrics": amem_metrics}
+
+# --- the driver side: the end of rollout, every rank's figures for verl's tracker ---
+class _Driver:
+    """What the driver process knows: whether a config enabled amem, and whom to ask."""
+
+    def __init__(self):
+        self.enabled = False
+        self.worker_groups: list = []
+
+    def rollout_ended(self, worker_group) -> None:
+        method = getattr(worker_group, "amem_rollout_ended", None)
+        if method is None:
+            warn_once("no method", "amem_callbacks: the actor worker group has no "
+                       "amem_rollout_ended (the hooks were installed after it was built): "
+                       "groups resume at the next training call instead")
+            return
+        if not any(wg is worker_group for wg in self.worker_groups):
+            self.worker_groups.append(worker_group)
+        method()
+
+    def metrics(self) -> dict:
+        out = {}
+        for worker_group in self.worker_groups:
+            try:
+                out.update(merge_rank_metrics(worker_group.amem_metrics()))
+            except Exception as exc:  # figures are advisory: never break the trainer's logging
+                warn_once("metrics", "amem_callbacks: could not collect metrics: %s", exc)
+        return out
+
+
+_driver = _Driver()
+
+
+async def _signal_after_sleep(method, self, *args, **kwargs):
+    result = await method(self, *args, **kwargs)
+    if _driver.enabled:
+        await asyncio.to_thread(_driver.rollout_ended, self.actor_wg)
+    return result
+
+
+def _log_with_metrics(method, self, data, step, *args, **kwargs):
+    extra = _driver.metrics() if _driver.enabled else {}
+    return method(self, {**data, **extra} if extra else data, step, *args, **kwargs)
+
+
+def _after_config(result, config, *args, **kwargs) -> None:
+    """A RolloutConfig was built (driver side): with amem on, the driver signals the
+    end of rollout and collects metrics."""
+    if read_settings(config.custom).enable:
+        _driver.enabled = True
+        _raise_hook_errors()
 
 
 # --- installing the wrappers ----------------------------------------------
 _hook_errors: list = []
-_patches = Patches()
-
-
-def _after_config(result, config, *args, **kwargs) -> None:
-    if check_config_after(config):
-        _raise_hook_errors()
 
 
 def _raise_hook_errors() -> None:
@@ -239,16 +238,18 @@ def _raise_hook_errors() -> None:
 def _patch_engine_workers(module) -> None:
     from verl.single_controller.base.decorator import Dispatch, register
 
+    patches = _hooks.patches
     for class_name, names in RESUME_BEFORE.items():
         cls = getattr(module, class_name)
         for name in names:
-            _patches.wrap(cls, name, before=_resume_first, required=True)
+            patches.wrap(cls, name, before=_resume_first, required=True)
     worker = module.ActorRolloutRefWorker
-    _patches.wrap(worker, "update_weights", _suspend_at_kv_cache, required=True)
-    _patches.wrap(worker, "init_model", before=_validate_first, required=True)
-    for name, method in _worker_methods(register, Dispatch).items():
-        method.__qualname__ = f"{worker.__qualname__}.{name}"
-        _patches.add(worker, name, method)
+    patches.wrap(worker, "update_weights", _suspend_at_kv_cache, required=True)
+    patches.wrap(worker, "init_model", before=_validate_first, required=True)
+    for method in (amem_rollout_ended, amem_metrics):
+        method = register(dispatch_mode=Dispatch.ONE_TO_ALL)(method)
+        method.__qualname__ = f"{worker.__qualname__}.{method.__name__}"
+        patches.add(worker, method.__name__, method)
 
 
 def _patch_checkpoint_engine(module) -> None:
@@ -260,51 +261,32 @@ def _patch_checkpoint_engine(module) -> None:
         inner = inspect.unwrap(method, stop=inspect.iscoroutinefunction)
         if not inspect.iscoroutinefunction(inner):
             raise TypeError("CheckpointEngineManager.sleep_replicas is not a coroutine function")
-        return auto_await(wrapper(inner, signal_after_sleep))
+        return auto_await(wrapper(inner, _signal_after_sleep))
 
-    _patches.wrap(module.CheckpointEngineManager, "sleep_replicas", replace=replace,
-                  required=True)
-
-
-def _patch_tracking(module) -> None:
-    _patches.wrap(module.Tracking, "log", log_with_metrics, required=True)
+    _hooks.patches.wrap(module.CheckpointEngineManager, "sleep_replicas", replace=replace,
+                        required=True)
 
 
-def _patch_rollout_config(module) -> None:
-    _patches.wrap(module.RolloutConfig, "__post_init__", after=_after_config,
-                  required=True)
+def _hook_failed(name: str, exc: Exception) -> None:
+    """Never break verl's own import; enable=true reports it (_raise_hook_errors)."""
+    _hook_errors.append(f"{name}: {exc!r}")
+    logger.error("amem_callbacks: could not hook %s (this verl is not 0.9.1?): %r", name, exc)
 
 
-_installed = False
-
-PATCHES = {
+_hooks = ImportHooks({
     "verl.workers.engine_workers": _patch_engine_workers,
     "verl.checkpoint_engine.base": _patch_checkpoint_engine,
-    "verl.utils.tracking": _patch_tracking,
-    "verl.workers.config.rollout": _patch_rollout_config,
-}
-
-
-def _apply(name: str, module) -> None:
-    try:
-        PATCHES[name](module)
-    except Exception as exc:  # never break verl's own import; enable=true reports it
-        _hook_errors.append(f"{name}: {exc!r}")
-        logger.error("amem_callbacks: could not hook %s (this verl is not 0.9.1?): %r", name, exc)
+    "verl.utils.tracking": lambda module: _hooks.patches.wrap(
+        module.Tracking, "log", _log_with_metrics, required=True),
+    "verl.workers.config.rollout": lambda module: _hooks.patches.wrap(
+        module.RolloutConfig, "__post_init__", after=_after_config, required=True),
+}, on_error=_hook_failed)
 
 
 def install() -> None:
-    """Wrap the verl classes now if loaded, else as soon as verl loads them.
-
-    Runs when this module is imported (by the entry point or ``external_lib``);
-    calling it again does nothing.
-    """
-    global _installed
-    if _installed:
-        return
-    _installed = True
-    for name in PATCHES:
-        when_imported(name, lambda module, name=name: _apply(name, module))
+    """Wrap the verl classes now if loaded, else as soon as verl loads them. Runs
+    when this module is imported (entry point or ``external_lib``); again: no-op."""
+    _hooks.install()
 
 
 install()

@@ -1,5 +1,5 @@
 """Every process group of this process, with a stable key, a readable name and
-its communicator.
+its communicator; and what a rollout does with each (:class:`RolloutGroups`).
 
 The key is torch's ``group_name``: the same string on every member rank, so it
 identifies a group across ranks (agreement keys, ordering). The name is what
@@ -48,6 +48,79 @@ def register_roles(names) -> None:
 def registered_roles() -> set:
     """Every role name known now: registered vocabularies and roles given to groups."""
     return _vocabulary | set(_roles.values())
+
+
+def keep_name(group, role: Optional[str] = None) -> str:
+    """A name for ``keep``: "world" for the default group, else ``role`` (given to
+    the group as its name), else the group's key."""
+    from torch.distributed import distributed_c10d as c10d
+
+    if group is c10d._get_default_group():
+        return "world"
+    if role:
+        name_group(group, role)
+        return role
+    return group.group_name
+
+
+def flatten_groups(value) -> list:
+    """The process groups in ``value``: one group, None, or dicts/lists/tuples of them."""
+    if value is None:
+        return []
+    if isinstance(value, dict):
+        return [g for v in value.values() for g in flatten_groups(v)]
+    if isinstance(value, (list, tuple)):
+        return [g for v in value for g in flatten_groups(v)]
+    return [value]
+
+
+def distributed_ready() -> bool:
+    """torch.distributed is initialized (without importing torch when it is not loaded)."""
+    import sys
+
+    if "torch" not in sys.modules:
+        return False
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+@dataclass
+class RoleGroup:
+    """One process-group object, every role it serves on this rank, and whether a
+    rollout keeps it active (and why)."""
+
+    group: object
+    name: str
+    roles: list
+    keep: bool = False
+    why: str = ""
+
+
+@dataclass
+class RolloutGroups:
+    """What a rollout does with each group of this rank (``mode``: how it generates)."""
+
+    mode: str
+    entries: list
+
+    @property
+    def groups(self) -> list:
+        return [entry.group for entry in self.entries]
+
+    @property
+    def kept_names(self) -> list:
+        return [entry.name for entry in self.entries if entry.keep]
+
+    def describe(self) -> str:
+        idle = [e.name for e in self.entries if not e.keep]
+        return f"{self.mode} inference: keep {self.kept_names}, may suspend {idle}"
+
+    def name_groups(self) -> None:
+        """Give each group its role name for ``keep`` lists and reports."""
+        for entry in self.entries:
+            if entry.name != "world":
+                name_group(entry.group, entry.name)
 
 
 @dataclass
@@ -126,15 +199,10 @@ def discover(backend, only=None, placement=None) -> list:
 
 def existing_group_names() -> set:
     """Every alias of the groups that exist now (empty before init_process_group)."""
-    import sys
-
-    if "torch" not in sys.modules:
+    if not distributed_ready():
         return set()
-    import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
-    if not dist.is_available() or not dist.is_initialized():
-        return set()
     default_group = c10d._get_default_group()
     names = set()
     for group in list(c10d._world.pg_map.keys()):

@@ -31,6 +31,14 @@ def current_device() -> Optional[int]:
     return torch.cuda.current_device()
 
 
+def empty_cache() -> None:
+    """Hand the caching allocator's unused blocks back to CUDA (where torch and CUDA
+    are up), so that a resume finds them free."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 @contextlib.contextmanager
 def on_device(device: Optional[int]):
     """Make ``device`` current on this thread for the block: torch gives a

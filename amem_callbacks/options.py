@@ -65,6 +65,28 @@ def number_type(what: str, ok: Callable[[float], bool]) -> Callable[[str], float
     return parse
 
 
+def roles_type(valid, aliases: Optional[Mapping] = None) -> Callable[[str], tuple]:
+    """An argparse ``type=`` for a comma list of group roles out of ``valid``
+    (``aliases``: other spellings of them): ``"tp,dp"`` -> ``("tp", "dp")``; an
+    unknown role fails naming the valid ones."""
+    import argparse
+
+    aliases = aliases or {}
+
+    def parse(text: str) -> tuple:
+        names = tuple(aliases.get(n.strip(), n.strip()) for n in text.split(",") if n.strip())
+        if not names:
+            raise argparse.ArgumentTypeError("give one or more group roles, e.g. dp,world")
+        unknown = [n for n in names if n not in valid]
+        if unknown:
+            raise argparse.ArgumentTypeError(
+                f"unknown group role(s) {', '.join(map(repr, unknown))}: choose from "
+                f"{', '.join(sorted(valid))}")
+        return names
+
+    return parse
+
+
 def check_bool(name, value) -> None:
     if not isinstance(value, bool):
         raise OptionError(f"{name} must be True or False, got {value!r}")
@@ -285,6 +307,35 @@ def options_from(options: Optional[OffloadOptions], kwargs: dict) -> OffloadOpti
     if options is None:
         return OffloadOptions(**kwargs)
     return options.replace(**kwargs) if kwargs else options
+
+
+def plain(value):
+    """An omegaconf DictConfig/ListConfig (hydra's configs) as plain containers;
+    anything else unchanged."""
+    if type(value).__module__.startswith("omegaconf"):
+        from omegaconf import OmegaConf
+
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+def valid_keys(table: Mapping) -> str:
+    return ", ".join(f"{key} ({description})" for key, (_, description) in table.items())
+
+
+def check_block(where: str, block: Mapping, table: Mapping) -> None:
+    """A config block's keys and value types against ``table`` (key -> (accepted
+    types, how a message describes it)); a list must hold group names (non-empty
+    strings). Each message names ``where`` and ends with the valid keys."""
+    unknown = sorted(str(k) for k in block if k not in table)
+    if unknown:
+        raise OptionError(f"{where}: unknown key(s) {unknown}; valid keys: {valid_keys(table)}")
+    for key, value in block.items():
+        types, description = table[key]
+        if not isinstance(value, types) or (isinstance(value, (list, tuple)) and not all(
+                isinstance(name, str) and name for name in value)):
+            raise OptionError(f"{where}.{key} must be {description}, got {value!r}; "
+                              f"valid keys: {valid_keys(table)}")
 
 
 def map_options(source: str, table: Mapping, given: Mapping, fixed: Optional[dict] = None) -> dict:

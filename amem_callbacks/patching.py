@@ -195,3 +195,42 @@ def forget(names) -> None:
             _finder.pending.pop(name, None)
         if not _finder.pending and _finder in sys.meta_path:
             sys.meta_path.remove(_finder)
+
+
+class ImportHooks:
+    """An adapter's hooks: ``{module name: action(module)}``, each run right after
+    its module's import (:func:`when_imported`) once ``install`` ran (again: no-op);
+    ``remove`` undoes ``patches`` and drops the actions still waiting.
+
+    ``on_error(name, exc)`` hears of an action that raised; without it the
+    exception reaches the import that ran the action.
+    """
+
+    def __init__(self, actions: dict, on_error: Optional[Callable] = None):
+        self.actions = actions
+        self.on_error = on_error
+        self.patches = Patches()
+        self.installed = False
+        self._lock = threading.Lock()
+
+    def install(self) -> None:
+        with self._lock:
+            if self.installed:
+                return
+            self.installed = True
+        for name in self.actions:
+            when_imported(name, functools.partial(self._run, name))
+
+    def _run(self, name: str, module) -> None:
+        try:
+            self.actions[name](module)
+        except Exception as exc:
+            if self.on_error is None:
+                raise
+            self.on_error(name, exc)
+
+    def remove(self) -> None:
+        with self._lock:
+            self.patches.undo()
+            forget(self.actions)
+            self.installed = False

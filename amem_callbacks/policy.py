@@ -21,6 +21,7 @@ from typing import Optional
 from .backends import select_backend
 from .decide import Setup, agree_setup, plan_begin
 from .errors import TransitionTimeout
+from .groups import distributed_ready
 from .learning import LearnedKeeps
 from .options import OffloadOptions, check_number, check_phase, options_from
 from .report import Counters, TransitionReport
@@ -128,7 +129,7 @@ class OffloadPolicy:
                 logger.warning("amem_callbacks: begin(%r) while phase %r is active: ignored",
                                phase, self._phase)
                 return self._skipped(phase, Kind.BEGIN, f"phase {self._phase!r} is already active")
-            if not _distributed_ready():
+            if not distributed_ready():
                 return self._not_ready(phase)
             self._set_up()
             self._phase = phase
@@ -310,13 +311,3 @@ class OffloadPolicy:
         self._setup = agree_setup(self.options, select_backend)
         self._transitions = None if self._setup.inert else Transitions(
             self._setup, self.options, self.counters)
-
-
-def _distributed_ready() -> bool:
-    import sys
-
-    if "torch" not in sys.modules:
-        return False
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()

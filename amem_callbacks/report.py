@@ -188,3 +188,24 @@ class Counters:
 
     def as_dict(self, prefix: str = "amem/") -> dict:
         return {f"{prefix}total/{name}": value for name, value in self.__dict__.items()}
+
+
+def write_scalars(metrics: dict, tensorboard=None, wandb=None, step: int = 0) -> None:
+    """Flat figures to a tensorboard writer (``add_scalar``) and a wandb run (``log``);
+    either may be None."""
+    if tensorboard is not None:
+        for name, value in metrics.items():
+            tensorboard.add_scalar(name, value, step)
+    if wandb is not None:
+        wandb.log(metrics, step)
+
+
+def merge_rank_metrics(per_rank) -> dict:
+    """Every rank's flat figures as one per key: the slowest rank for times
+    (``...seconds``), else the mean."""
+    per_rank = [m for m in per_rank or [] if m]
+    out = {}
+    for key in sorted({k for m in per_rank for k in m}):
+        values = [float(m[key]) for m in per_rank if key in m]
+        out[key] = max(values) if key.endswith("seconds") else sum(values) / len(values)
+    return out

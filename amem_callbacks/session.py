@@ -171,3 +171,36 @@ class RolloutSession:
             self.history.append((where, report))
         logger.debug("amem_callbacks: rollout %s at %s", report.kind, where)
         return report
+
+
+class SessionViews:
+    """What an adapter shows of its ``session`` (None until it is made): the
+    same properties on TRL's callback, verl's worker session and Megatron's
+    controller."""
+
+    session: Optional[RolloutSession] = None
+
+    @property
+    def policy(self):
+        return self.session.policy if self.session is not None else None
+
+    @property
+    def active(self) -> bool:
+        return self.session is not None and self.session.active
+
+    @property
+    def headroom(self):
+        """What the first begin's freed memory allows the rollout engine's share, or None."""
+        return self.session.headroom if self.session is not None else None
+
+    @property
+    def last_begin(self) -> Optional[TransitionReport]:
+        return self.session.last("begin") if self.session is not None else None
+
+    @property
+    def last_end(self) -> Optional[TransitionReport]:
+        return self.session.last("end") if self.session is not None else None
+
+    def metrics(self, prefix: str = "amem/") -> dict:
+        """This rank's ``amem/...`` figures, flat (see :meth:`RolloutSession.metrics`)."""
+        return self.session.metrics(prefix) if self.session is not None else {}

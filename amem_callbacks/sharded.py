@@ -1,4 +1,5 @@
-"""Which process groups a sharded model gathers its parameters over in a forward.
+"""Which process groups a sharded model gathers its parameters over in a forward
+(and which transformers' ``generate()`` of it runs collectives on).
 
 A rollout that runs the training model itself (TRL's transformers generation,
 a verl or plain-torch loop that generates with the FSDP model) must keep these
@@ -49,6 +50,24 @@ def groups_gathered_over(model, sharding: str = "FSDP") -> list:
     if keep_world or not found:
         found.setdefault(id(world), (world, None, legacy_why))
     return sorted(found.values(), key=lambda entry: entry[0] is not world)  # world first
+
+
+def groups_generate_uses(model, sharding: str = "FSDP", continuous_batching: bool = False) -> list:
+    """What transformers' ``generate()`` of a sharded ``model`` runs collectives on:
+    :func:`groups_gathered_over`, and the default group, where it all-reduces a
+    finished flag after every token when the world has more than one rank."""
+    import torch.distributed as dist
+
+    world = dist.distributed_c10d._get_default_group()
+    found = groups_gathered_over(model, sharding)
+    if dist.get_world_size() > 1 and not any(group is world for group, _, _ in found):
+        # generate() turns synced_gpus on by itself for ZeRO-3 and FSDP-managed models
+        why = ("transformers continuous batching of a sharded model (kept to be safe: its "
+               "collectives were not checked)" if continuous_batching else
+               "transformers' generate all-reduces a finished flag on it after every token "
+               "(synced_gpus, on for FSDP and ZeRO-3 models)")
+        found.append((world, None, why))
+    return found
 
 
 def _fsdp2_state_groups(module) -> list:

@@ -237,7 +237,7 @@ def noop_runs(args):
     from trl import GRPOTrainer
 
     from amem_callbacks.adapters import _trl_groups as adapter_groups
-    from amem_callbacks.adapters import trl as adapter
+    from amem_callbacks.groups import keep_name
 
     scenario_prelude(args)
     options = {"backend": "noop", "agree_timeout_s": 20}
@@ -256,7 +256,7 @@ def noop_runs(args):
     zero3 = types.SimpleNamespace(_dist=types.SimpleNamespace(is_zero3=True, is_fsdp=False),
                                   model_wrapped=layer, use_vllm=False)
     found = adapter_groups.groups_generation_uses(zero3, "transformers")
-    out["zero3"] = [[adapter._keep_name(g, role), why] for g, role, why in found]
+    out["zero3"] = [[keep_name(g, role), why] for g, role, why in found]
     out["zero3_key"] = zero3_group.group_name
     return out
 

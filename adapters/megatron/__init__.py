@@ -1,14 +1,5 @@
-"""Megatron adapter: ``--rl-amem-offload-during-rollout`` and the rollout hooks.
-
-Run the usual command through the launcher (no change to Megatron)::
-
-    torchrun ... -m amem_callbacks.adapters.megatron train_rl.py ARGS... \\
-        --rl-amem-offload-during-rollout [--rl-amem-grow-kv-cache]
-
-or pass ``chain(add_inference_args, add_args)`` as Megatron's
-``extra_args_provider``. Importing this package imports neither torch nor
-Megatron; it registers ``parallel_state``'s role names for ``keep`` lists.
-"""
+"""Megatron adapter: ``--rl-amem-offload-during-rollout`` and the rollout hooks (docs/megatron.md).
+Importing it imports neither torch nor Megatron; it registers ``parallel_state``'s role names."""
 
 from amem_callbacks.groups import register_roles
 
@@ -27,9 +18,7 @@ register_roles(VALID_KEEP)
 def install(args=None, *, settings: Settings = None, backend=None, writers=None,
             **policy_options) -> RolloutOffload:
     """Install the rollout hooks with ``settings`` (or those of a namespace ``args``
-    holding the flags); the launcher does this. ``backend``: a Backend instance;
-    ``writers``: ``(tensorboard, wandb)`` instead of Megatron's; ``policy_options``:
-    more OffloadOptions fields."""
+    holding the flags); the launcher does this. The rest: as :class:`RolloutOffload`."""
     settings = settings if settings is not None else settings_from_args(args)
     controller = RolloutOffload(settings, backend=backend, writers=writers,
                                 policy_options=policy_options)

@@ -1,8 +1,5 @@
-"""``python -m amem_callbacks.adapters.megatron SCRIPT.py|-m MODULE [ARGS...]``:
-takes the ``--rl-amem-*`` flags out of the command line (the script's parser
-never sees them), installs the rollout hooks with them, and runs the script.
-Under torchrun: ``torchrun ... -m amem_callbacks.adapters.megatron train_rl.py ...``.
-"""
+"""``python -m amem_callbacks.adapters.megatron SCRIPT.py|-m MODULE [ARGS...]``: the launcher
+(docs/megatron.md); it takes the ``--rl-amem-*`` flags out, installs the hooks, runs the script."""
 
 import sys
 

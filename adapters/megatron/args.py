@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
+import operator
 from typing import Callable, Optional
 
-from amem_callbacks.options import BACKEND_CHOICES, OffloadOptions, number_type
+from amem_callbacks.log import logger
+from amem_callbacks.options import BACKEND_CHOICES, OffloadOptions, number_type, roles_type
 
 from .roles import ALIASES, VALID_KEEP
-
-logger = logging.getLogger("amem_callbacks")
 
 #: Left out of the freed bytes that grow the KV cache: the cache is one
 #: allocation, and the caching allocator rounds it up.
@@ -42,25 +41,9 @@ class Settings:
         return {"amem": {"group_id": self.group_id}} if self.group_id is not None else {}
 
 
-def keep_list(text: str) -> tuple:
-    """``"tp,dp"`` -> ``("tp", "dp")``; an unknown name fails with the valid ones."""
-    names = tuple(ALIASES.get(n.strip(), n.strip()) for n in text.split(",") if n.strip())
-    if not names:
-        raise argparse.ArgumentTypeError("give one or more group roles, e.g. dp,world")
-    unknown = [n for n in names if n not in VALID_KEEP]
-    if unknown:
-        raise argparse.ArgumentTypeError(
-            f"unknown group role(s) {', '.join(map(repr, unknown))}: choose from "
-            f"{', '.join(sorted(VALID_KEEP))}")
-    return names
-
-
+keep_list = roles_type(VALID_KEEP, ALIASES)
 group_id = number_type("must be an integer >= 0", lambda v: v >= 0 and v == int(v))
 gigabytes = number_type("must be a number of GB >= 0", lambda v: v >= 0)
-
-
-def _negated(value) -> bool:
-    return not value
 
 
 #: flag -> (Settings field, flag value -> field value, OffloadOptions field or
@@ -76,10 +59,10 @@ FLAGS = {
     "--rl-amem-keep-groups": ("keep", tuple, "keep", dict(
         type=keep_list, default=(), metavar="NAME[,NAME...]", help="parallel_state roles to "
         "keep active during rollout besides the ones the engine uses (e.g. dp,world)")),
-    "--rl-amem-no-learn-keep": ("learn_keep", _negated, "learn_keep", dict(
+    "--rl-amem-no-learn-keep": ("learn_keep", operator.not_, "learn_keep", dict(
         action="store_true", help="do not keep a group active in later rollouts after the "
         "guard had to resume it during one (by default such a group stays active from then on)")),
-    "--rl-amem-blocking": ("overlap", _negated, "overlap", dict(
+    "--rl-amem-blocking": ("overlap", operator.not_, "overlap", dict(
         action="store_true", help="wait for every suspend and resume where it is issued instead "
         "of running them behind the rollout and the next training step (slower; for debugging)")),
     "--rl-amem-grow-kv-cache": ("grow_kv_cache", bool, None, dict(

@@ -1,35 +1,20 @@
-"""Where a Megatron rollout begins and ends, hooked without editing Megatron
-(megatron-core 0.19.2, Megatron-LM core_r0.19.0; the seams are listed in
-docs/megatron.md). The controller acts on whichever seam comes first: a begin
-while a rollout is active, or an end while none is, does nothing. Modules are
-patched when first imported, so installing imports neither torch nor Megatron.
-"""
+"""Where a Megatron rollout begins and ends (megatron-core 0.19.2, Megatron-LM core_r0.19.0;
+the seams: docs/megatron.md). Whichever seam comes first acts; a second begin or end does
+nothing. Modules are patched when first imported: installing imports neither torch nor Megatron."""
 
 from __future__ import annotations
 
-import logging
-import threading
 from typing import Callable
 
-from amem_callbacks.patching import Patches, forget, when_imported
+from amem_callbacks.log import logger
+from amem_callbacks.patching import ImportHooks
 
 from . import param_sync
+from .args import settings_from_args
 from .offload import RolloutOffload, megatron_args
 
-logger = logging.getLogger("amem_callbacks")
-
-ENGINE_MODULE = "megatron.core.inference.engines.dynamic_engine"
-ENGINE_CLASS = "DynamicInferenceEngine"
-INTERFACE_MODULE = "megatron.rl.inference.megatron"
-INTERFACE_CLASS = "MegatronLocal"
-LOOP_MODULE = "megatron.rl.rl_utils"
 LOOP_FUNCTION = "get_environment_rollouts"
-DDP_MODULE = param_sync.DDP_MODULE
-
-_lock = threading.Lock()
 _controller = None
-_installed = False
-_patches = Patches()
 
 
 # --- the controller the hooks report to -----------------------------------
@@ -45,8 +30,6 @@ def current_controller():
     if _controller is None:
         args = megatron_args()
         if args is not None and hasattr(args, "rl_amem_offload_during_rollout"):
-            from .args import settings_from_args
-
             _controller = RolloutOffload(settings_from_args(args))
     return _controller if _controller is not None and _controller.enabled else None
 
@@ -63,9 +46,7 @@ def engine_suspended(engine) -> bool:
 
 def _call(method: str, *args, **kwargs):
     controller = current_controller()
-    if controller is not None:
-        return getattr(controller, method)(*args, **kwargs)
-    return None
+    return getattr(controller, method)(*args, **kwargs) if controller is not None else None
 
 
 def patch_engine(cls) -> bool:
@@ -84,7 +65,8 @@ def patch_engine(cls) -> bool:
             _call("rollout_end", self, via=f"{where}.suspend")
         return out
 
-    ok = _patches.wrap(cls, "resume", resume) | _patches.wrap(cls, "suspend", suspend)
+    patches = _hooks.patches
+    ok = patches.wrap(cls, "resume", resume) | patches.wrap(cls, "suspend", suspend)
     if "resume" not in cls.__dict__ or "suspend" not in cls.__dict__:
         logger.warning("amem_callbacks: %s has no resume()/suspend(); this Megatron version "
                        "is not supported by the rollout hooks", where)
@@ -97,9 +79,9 @@ def patch_interface(cls) -> bool:
     sync or async, the wrappers follow)."""
     where = cls.__name__
     engine_of = lambda self: getattr(self, "_inference_engine", None)  # noqa: E731
-    return (_patches.wrap(cls, "resume", before=lambda self, *a, **k: _call(
+    return (_hooks.patches.wrap(cls, "resume", before=lambda self, *a, **k: _call(
                 "rollout_begin", engine_of(self), via=f"{where}.resume"))
-            | _patches.wrap(cls, "suspend", after=lambda result, self, *a, **k: _call(
+            | _hooks.patches.wrap(cls, "suspend", after=lambda result, self, *a, **k: _call(
                 "rollout_end", engine_of(self), via=f"{where}.suspend")))
 
 
@@ -122,7 +104,11 @@ def patch_loop(module) -> bool:
         finally:
             controller.after_rollouts()
 
-    return _patches.wrap(module, LOOP_FUNCTION, around)
+    if not hasattr(module, LOOP_FUNCTION):
+        logger.warning("amem_callbacks: %s has no %s: the begin waits for the engine's "
+                       "resume and the deferred parameter gathers are finished there",
+                       module.__name__, LOOP_FUNCTION)
+    return _hooks.patches.wrap(module, LOOP_FUNCTION, around)
 
 
 def _patch_class(class_name: str, patch: Callable) -> Callable:
@@ -136,35 +122,25 @@ def _patch_class(class_name: str, patch: Callable) -> Callable:
     return action
 
 
-def _patch_loop_module(module) -> None:
-    if not patch_loop(module) and not hasattr(module, LOOP_FUNCTION):
-        logger.warning("amem_callbacks: %s has no %s: the begin waits for the engine's "
-                       "resume and the deferred parameter gathers are finished there",
-                       module.__name__, LOOP_FUNCTION)
+_hooks = ImportHooks({
+    "megatron.core.inference.engines.dynamic_engine":
+        _patch_class("DynamicInferenceEngine", patch_engine),
+    "megatron.rl.inference.megatron": _patch_class("MegatronLocal", patch_interface),
+    "megatron.rl.rl_utils": patch_loop,
+    param_sync.DDP_MODULE: _patch_class(
+        param_sync.DDP_CLASS, lambda cls: param_sync.track(cls, _hooks.patches)),
+})
 
 
 def install_hooks() -> None:
     """Patch the engine, the RL interface, the RL loop and DDP now or when they are
     imported (idempotent)."""
-    global _installed
-    with _lock:
-        if _installed:
-            return
-        _installed = True
-    when_imported(ENGINE_MODULE, _patch_class(ENGINE_CLASS, patch_engine))
-    when_imported(INTERFACE_MODULE, _patch_class(INTERFACE_CLASS, patch_interface))
-    when_imported(LOOP_MODULE, _patch_loop_module)
-    when_imported(DDP_MODULE, _patch_class(param_sync.DDP_CLASS,
-                                           lambda cls: param_sync.track(cls, _patches)))
+    _hooks.install()
 
 
 def remove_hooks() -> None:
     """Undo every patch and forget the controller (for tests)."""
-    global _installed
-    with _lock:
-        _patches.undo()
-        forget((ENGINE_MODULE, INTERFACE_MODULE, LOOP_MODULE, DDP_MODULE))
-        _installed = False
+    _hooks.remove()
     set_controller(None)
 
 

@@ -1,14 +1,12 @@
-"""The freed bytes become KV cache: in ``recompute`` mode, a bigger block pool at
-each re-allocation, the same size on every rank of one model replica
-(how and why: docs/megatron.md, "Growing the KV cache")."""
+"""The freed bytes become KV cache in ``recompute`` mode, the same size on every rank of one
+model replica (how and why: docs/megatron.md, "Growing the KV cache")."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Optional
 
-logger = logging.getLogger("amem_callbacks")
+from amem_callbacks.log import logger
 
 GROWABLE_MODE = "recompute"
 
@@ -41,11 +39,10 @@ class KvCacheReport:
         return max(0, self.blocks - self.base_blocks) * self.block_bytes
 
     def as_dict(self, prefix: str = "amem/") -> dict:
-        p = prefix + "kv_cache/"
-        return {p + "bytes": self.kv_bytes, p + "blocks": self.blocks,
-                p + "token_capacity": self.token_capacity, p + "max_requests": self.max_requests,
-                p + "from_freed_bytes": self.from_freed_bytes, p + "margin_bytes": self.margin_bytes,
-                p + "grown": int(self.grown)}
+        figures = dict(bytes=self.kv_bytes, blocks=self.blocks, token_capacity=self.token_capacity,
+                       max_requests=self.max_requests, from_freed_bytes=self.from_freed_bytes,
+                       margin_bytes=self.margin_bytes, grown=int(self.grown))
+        return {f"{prefix}kv_cache/{name}": value for name, value in figures.items()}
 
     def summary(self) -> str:
         line = (f"KV cache {self.kv_bytes / 2**30:.2f} GiB = {self.blocks} blocks "
@@ -77,13 +74,9 @@ def why_not_growable(context) -> Optional[str]:
 
 
 class KvCacheGrowth:
-    """Gives each rollout's KV cache the bytes that rollout's begin freed.
-
-    Args:
-        margin_bytes: left out of the freed bytes.
-        exchange: ``exchange(name, value, ranks) -> ({rank: value}, missing)``,
-            the policy's store exchange (bounded, never NCCL).
-    """
+    """Gives each rollout's KV cache the bytes that rollout's begin freed, less
+    ``margin_bytes``. ``exchange(name, value, ranks) -> ({rank: value}, missing)``:
+    the policy's store exchange (bounded, never NCCL)."""
 
     def __init__(self, margin_bytes: int, exchange):
         self.margin_bytes = margin_bytes

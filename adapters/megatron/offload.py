@@ -1,43 +1,33 @@
-"""The per-process controller the rollout hooks call: a ``RolloutSession`` over
-Megatron's groups, the deferred parameter gather, the KV-cache growth, and the
-figures for Megatron's loggers.
-
-Neither begin nor end waits by itself: begin starts where Megatron-LM asks for
-rollouts (the KV-cache growth waits at the allocation), and Megatron's training
-collectives are ProcessGroup method calls the guard holds back until their
-group is back. Set-ups whose collectives the guard cannot see (Megatron-FSDP,
-training CUDA graphs, NCCL user buffers) make end wait for every group.
-"""
+"""The per-process controller the rollout hooks call: a ``RolloutSession`` over Megatron's
+groups, the deferred parameter gather, the KV-cache growth, the figures (docs/megatron.md)."""
 
 from __future__ import annotations
 
 import collections
-import logging
 import sys
 from typing import Optional
 
 from amem_callbacks import OffloadPolicy
-from amem_callbacks.session import RolloutSession
+from amem_callbacks.groups import distributed_ready
+from amem_callbacks.log import logger
+from amem_callbacks.memory import empty_cache
+from amem_callbacks.report import write_scalars
+from amem_callbacks.session import RolloutSession, SessionViews
 
 from . import param_sync, roles
 from .args import Settings
 from .kv_cache import KvCacheGrowth
 
-logger = logging.getLogger("amem_callbacks")
-
 #: Megatron-LM broadcasts the rollouts on the default group right after the engine suspends.
 RESUME_FIRST = ("world",)
 
 
-class RolloutOffload:
-    """Suspends the groups a Megatron rollout leaves idle, from its begin to its end.
-
-    The policy is built at the first rollout, once ``parallel_state`` exists
-    (which groups stay active depends on the engine: :func:`roles.classify`).
-    ``backend``: a Backend instance instead of ``settings.backend`` (tests);
-    ``writers``: ``(tensorboard, wandb)``, default Megatron's global writers;
-    ``policy_options``: more OffloadOptions fields.
-    """
+class RolloutOffload(SessionViews):
+    """Suspends the groups a Megatron rollout leaves idle, from its begin to its end; the
+    policy is built at the first rollout, once ``parallel_state`` exists (which groups stay
+    active depends on the engine: :func:`roles.classify`). ``backend``: a Backend instance
+    instead of ``settings.backend`` (tests); ``writers``: ``(tensorboard, wandb)``, default
+    Megatron's global writers; ``policy_options``: more OffloadOptions fields."""
 
     def __init__(self, settings: Settings, *, backend=None, writers=None,
                  policy_options: Optional[dict] = None):
@@ -58,14 +48,6 @@ class RolloutOffload:
     @property
     def enabled(self) -> bool:
         return self.settings.enabled
-
-    @property
-    def policy(self) -> Optional[OffloadPolicy]:
-        return self.session.policy if self.session is not None else None
-
-    @property
-    def active(self) -> bool:
-        return self.session is not None and self.session.active
 
     @property
     def reports(self) -> list:
@@ -93,7 +75,7 @@ class RolloutOffload:
         report, or None when a rollout is already active or nothing can be done yet."""
         if not self.enabled or self.active:
             return None
-        if not _distributed_ready() or not roles.is_initialized():
+        if not distributed_ready() or not roles.is_initialized():
             if not self._warned:
                 self._warned = True
                 logger.warning("amem_callbacks: rollout began (%s) before torch.distributed "
@@ -126,7 +108,7 @@ class RolloutOffload:
         if not self.active:
             return None
         if self._growth is not None:
-            _give_back_cached_memory()  # the grown KV's blocks, for NCCL's resume
+            empty_cache()  # the grown KV's blocks, for NCCL's resume
         report = self.session.stop(via, guarded_until_settle=_guard_sees_training())
         self.after_rollouts()
         return self._logged(report, via)
@@ -134,7 +116,7 @@ class RolloutOffload:
     # --- set-up at the first rollout ----------------------------------------------
     def _build_policy(self, engine) -> OffloadPolicy:
         groups = roles.classify(engine, keep=self.settings.keep)
-        roles.name_groups(groups)
+        groups.name_groups()
         self.rollout_groups = groups
         logger.info("amem_callbacks: Megatron rollout offload, %s", groups.describe())
         return OffloadPolicy(self.options.replace(
@@ -148,15 +130,6 @@ class RolloutOffload:
             logger.info("amem_callbacks: rollout %s at %s: %s", report.kind, via, report.summary())
             write_metrics(self.session.metrics(), self._writers)
         return report
-
-
-def _distributed_ready() -> bool:
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return False
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
 
 
 def _guard_sees_training() -> bool:
@@ -173,44 +146,27 @@ def _guard_sees_training() -> bool:
     return not any(blind.values())
 
 
-def _give_back_cached_memory() -> None:
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
+def _global(name: str):
+    """A global of Megatron-LM's ``global_vars`` (None when absent), without importing it."""
+    return getattr(sys.modules.get("megatron.training.global_vars"), name, None)
 
 
 def megatron_args():
-    """Megatron-LM's global args, without importing megatron.training."""
-    global_vars = sys.modules.get("megatron.training.global_vars")
-    return getattr(global_vars, "_GLOBAL_ARGS", None) if global_vars else None
+    """Megatron-LM's global args."""
+    return _global("_GLOBAL_ARGS")
 
 
 def megatron_writers() -> tuple:
     """Megatron-LM's ``(tensorboard, wandb)`` writers; each None when absent."""
-    global_vars = sys.modules.get("megatron.training.global_vars")
-    return (getattr(global_vars, "_GLOBAL_TENSORBOARD_WRITER", None),
-            getattr(global_vars, "_GLOBAL_WANDB_WRITER", None))
-
-
-def megatron_iteration() -> Optional[int]:
-    args = megatron_args()
-    for name in ("curr_iteration", "iteration"):
-        value = getattr(args, name, None)
-        if isinstance(value, int):
-            return value
-    return None
+    return _global("_GLOBAL_TENSORBOARD_WRITER"), _global("_GLOBAL_WANDB_WRITER")
 
 
 def write_metrics(metrics: dict, writers=None, step: Optional[int] = None) -> None:
     """Send ``amem/...`` figures to tensorboard and wandb, the way Megatron logs
     (its writers exist on one rank only; elsewhere nothing is written)."""
     tensorboard, wandb = writers if writers is not None else megatron_writers()
-    if tensorboard is None and wandb is None:
-        return
-    if step is None:
-        step = megatron_iteration() or 0
-    if tensorboard is not None:
-        for name, value in metrics.items():
-            tensorboard.add_scalar(name, value, step)
-    if wandb is not None:
-        wandb.log(metrics, step)
+    if tensorboard is not None or wandb is not None:
+        if step is None:  # Megatron-LM's iteration
+            found = (getattr(megatron_args(), n, None) for n in ("curr_iteration", "iteration"))
+            step = next((value for value in found if isinstance(value, int)), 0)
+        write_scalars(metrics, tensorboard, wandb, step)

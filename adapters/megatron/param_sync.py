@@ -1,13 +1,11 @@
-"""Finish Megatron's deferred parameter all-gather (``--overlap-param-gather``)
-before a rollout suspends its group, the way Megatron does before evaluation,
-and turn the forward pre-hooks back on after it (why: docs/megatron.md)."""
+"""Finish Megatron's deferred parameter all-gather (``--overlap-param-gather``) before a
+rollout suspends its group, and turn the pre-hooks back on after it (why: docs/megatron.md)."""
 
 from __future__ import annotations
 
-import logging
 import weakref
 
-logger = logging.getLogger("amem_callbacks")
+from amem_callbacks.log import logger
 
 DDP_MODULE = "megatron.core.distributed.distributed_data_parallel"
 DDP_CLASS = "DistributedDataParallel"
@@ -46,16 +44,12 @@ def _ddp_chunks(model) -> list:
     """The Megatron DDP wrappers in ``model`` (a chunk list, one module, or None: all tracked)."""
     if model is None:
         return list(_chunks)
-    chunks = model if isinstance(model, (list, tuple)) else [model]
     found = []
-    for chunk in chunks:
-        for module in chunk.modules() if hasattr(chunk, "modules") else ():
-            if _is_megatron_ddp(module) or module in _chunks:
-                found.append(module)
-                break
-        else:
-            if chunk in _chunks:
-                found.append(chunk)
+    for chunk in model if isinstance(model, (list, tuple)) else [model]:
+        modules = chunk.modules() if hasattr(chunk, "modules") else ()
+        ddp = next((m for m in modules if _is_megatron_ddp(m) or m in _chunks), None)
+        if ddp is not None or chunk in _chunks:
+            found.append(ddp if ddp is not None else chunk)
     return found
 
 

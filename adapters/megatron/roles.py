@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from amem_callbacks.groups import RoleGroup, RolloutGroups, flatten_groups
+
 #: (role, parallel_state global). The order decides the name of a group object
 #: that serves several roles (e.g. ``intra_dp_cp`` is the ``dp_cp`` group itself
 #: when there is one distributed-optimizer instance).
@@ -54,48 +56,6 @@ IN_PLACE = "in-place"
 SEPARATE = "separate"
 
 
-@dataclasses.dataclass
-class RoleGroup:
-    """One process-group object and every role it serves on this rank."""
-
-    group: object
-    name: str
-    roles: list
-    keep: bool = False
-    why: str = ""
-
-
-@dataclasses.dataclass
-class RolloutGroups:
-    """What a rollout on one engine does with each group of this rank."""
-
-    mode: str
-    entries: list
-
-    @property
-    def groups(self) -> list:
-        return [entry.group for entry in self.entries]
-
-    @property
-    def kept_names(self) -> list:
-        return [entry.name for entry in self.entries if entry.keep]
-
-    def describe(self) -> str:
-        kept = [e.name for e in self.entries if e.keep]
-        idle = [e.name for e in self.entries if not e.keep]
-        return f"{self.mode} inference: keep {kept}, may suspend {idle}"
-
-
-def _flatten(value) -> list:
-    if value is None:
-        return []
-    if isinstance(value, dict):
-        return [g for v in value.values() for g in _flatten(v)]
-    if isinstance(value, (list, tuple)):
-        return [g for v in value for g in _flatten(v)]
-    return [value]
-
-
 def _parallel_state():
     import importlib
 
@@ -128,7 +88,7 @@ def parallel_state_groups(ps=None) -> list:
 
     add(c10d._get_default_group(), "world")
     for role, attribute in ROLES:
-        for group in _flatten(getattr(ps, attribute, None)):
+        for group in flatten_groups(getattr(ps, attribute, None)):
             add(group, role)
     return entries
 
@@ -138,24 +98,18 @@ def engine_groups(engine) -> list:
     collection = getattr(engine, "pg_collection", None)
     if collection is None:
         return []
-    if dataclasses.is_dataclass(collection):
-        names = [f.name for f in dataclasses.fields(collection)]
-    else:
-        names = list(vars(collection))
-    out = []
-    for name in names:
-        # fields are init=False: the ones a collection was not given are unset
-        for group in _flatten(getattr(collection, name, None)):
-            out.append((name, group))
-    return out
+    names = ([f.name for f in dataclasses.fields(collection)]
+             if dataclasses.is_dataclass(collection) else list(vars(collection)))
+    # fields are init=False: the ones a collection was not given are unset
+    return [(name, group) for name in names
+            for group in flatten_groups(getattr(collection, name, None))]
 
 
 def rollout_mode(engine, ps=None) -> str:
     """In-place when the engine runs on the training model's tensor-parallel
     group; separate when it has its own (``--rl-inference-*-parallel-size``)."""
     ps = ps or _parallel_state()
-    collection = getattr(engine, "pg_collection", None)
-    tp = getattr(collection, "tp", None) if collection is not None else None
+    tp = getattr(getattr(engine, "pg_collection", None), "tp", None)
     if tp is None or tp is getattr(ps, "_TENSOR_MODEL_PARALLEL_GROUP", None):
         return IN_PLACE
     return SEPARATE
@@ -163,12 +117,9 @@ def rollout_mode(engine, ps=None) -> str:
 
 def classify(engine, keep=(), ps=None, mode: Optional[str] = None) -> RolloutGroups:
     """Which groups a rollout on ``engine`` (None: in-place) keeps active and which
-    it may suspend. In-place inference keeps :data:`KEEP_IN_PLACE`; a separate
-    inference model leaves every training group idle and keeps its engine's
-    ``pg_collection`` groups (added as ``inference_<field>``). ``keep``: more
-    role names to keep; ``ps``: the ``parallel_state`` module (tests pass their
-    own); ``mode``: IN_PLACE or SEPARATE instead of detecting it.
-    """
+    it may suspend (docs/megatron.md); a separate inference model's own groups are
+    added as ``inference_<field>``. ``keep``: more roles to keep; ``ps``: the
+    ``parallel_state`` module (tests pass theirs); ``mode``: IN_PLACE or SEPARATE."""
     ps = ps or _parallel_state()
     mode = mode or rollout_mode(engine, ps)
     keep = {ALIASES.get(name, name) for name in keep}
@@ -193,12 +144,3 @@ def classify(engine, keep=(), ps=None, mode: Optional[str] = None) -> RolloutGro
         elif mode == SEPARATE and id(entry.group) in used_by_engine:
             entry.keep, entry.why = True, "the inference engine uses it"
     return RolloutGroups(mode=mode, entries=entries)
-
-
-def name_groups(plan: RolloutGroups) -> None:
-    """Give each group its role name for ``keep`` lists and reports."""
-    from amem_callbacks import name_group
-
-    for entry in plan.entries:
-        if entry.name != "world":
-            name_group(entry.group, entry.name)
