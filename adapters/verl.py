@@ -260,7 +260,7 @@ def _patch_checkpoint_engine(module) -> None:
         # frame: wrap the coroutine function inside it and apply auto_await again.
         inner = inspect.unwrap(method, stop=inspect.iscoroutinefunction)
         if not inspect.iscoroutinefunction(inner):
-            raise TypeError("CheckpointEngineManager.sleep_replicas is not a coroutine function")
+            raise AdapterError("CheckpointEngineManager.sleep_replicas is not a coroutine function")
         return auto_await(wrapper(inner, _signal_after_sleep))
 
     _hooks.patches.wrap(module.CheckpointEngineManager, "sleep_replicas", replace=replace,
