@@ -12,6 +12,7 @@ _EXPORTS = {
     "RolloutSession": "amem_callbacks.session",
     "TransitionReport": "amem_callbacks.report",
     "GroupReport": "amem_callbacks.report",
+    "GroupView": "amem_callbacks.report",
     "name_group": "amem_callbacks.groups",
     "AmemError": "amem_callbacks.errors",
     "AdapterError": "amem_callbacks.errors",

@@ -115,6 +115,18 @@ class OffloadPolicy:
     def keep_for(self, phase: str) -> frozenset:
         return self.options.keep_for(phase)
 
+    def groups(self, read_nccl: bool = False) -> tuple:
+        """The groups this rank holds suspended, suspending or broken, as
+        read-only :class:`~amem_callbacks.GroupView` snapshots in key order
+        (empty between phases once every resume finished). Not collective.
+        ``read_nccl``: also ask NCCL's own stats whether each is suspended."""
+        return () if self._transitions is None else self._transitions.views(read_nccl)
+
+    def view(self, group, read_nccl: bool = False):
+        """The :class:`~amem_callbacks.GroupView` of one ``ProcessGroup``, or
+        None when this policy does not hold it (it is active). Not collective."""
+        return None if self._transitions is None else self._transitions.view_of(group, read_nccl)
+
     # --- public ----------------------------------------------------------
     def begin(self, phase: str = "rollout") -> TransitionReport:
         """Collective over all ranks: suspend the groups ``phase`` leaves idle.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .states import Kind, Outcome
+from .states import Kind, Outcome, Status
 
 
 @dataclass
@@ -45,6 +45,33 @@ class GroupReport:
             parts.append(f"{self.unreached_bytes / 2**20:.1f} MiB not reached: "
                          f"{self.unreached_why}")
         return "; ".join(parts)
+
+
+@dataclass(frozen=True)
+class GroupView:
+    """A read-only snapshot of one group the policy holds, from
+    ``OffloadPolicy.groups()`` or ``OffloadPolicy.view(group)``: for a user's
+    own logging as much as for tests. A group the policy does not hold is
+    active and has no view.
+    """
+
+    key: str
+    name: str
+    ranks: tuple
+    #: suspending, suspended or broken (a failed resume: calls on it raise)
+    status: Status
+    #: a resume is queued (by ``end`` or the guard) and has not finished yet
+    resuming: bool
+    suspendable_bytes: Optional[int]
+    #: NCCL's own word (``ncclCommMemStats``) when asked with ``read_nccl=True``
+    nccl_suspended: Optional[bool] = None
+    error: Optional[str] = None
+
+    def as_dict(self) -> dict:
+        return {"key": self.key, "name": self.name, "ranks": list(self.ranks),
+                "status": str(self.status), "resuming": self.resuming,
+                "suspendable_bytes": self.suspendable_bytes,
+                "nccl_suspended": self.nccl_suspended, "error": self.error}
 
 
 @dataclass

@@ -37,8 +37,9 @@ class Outcome(_Word):
     WOULD_RESUME = "would resume"
 
 
-class Status(enum.Enum):
-    """Where a group the policy touched stands now (written by the worker only)."""
+class Status(_Word):
+    """Where a group the policy touched stands now (written by the worker only;
+    read through ``OffloadPolicy.groups()``)."""
 
     ACTIVE = "active"
     SUSPENDING = "suspending"

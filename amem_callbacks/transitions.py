@@ -23,7 +23,7 @@ from .errors import SuspendedGroupError, TransitionTimeout
 from .executor import SerialExecutor, Task
 from .groups import GroupInfo
 from .memory import device_free_bytes, host_rss_bytes
-from .report import Counters, GroupReport, TransitionReport
+from .report import Counters, GroupReport, GroupView, TransitionReport
 from .states import Kind, Outcome, Status
 
 logger = logging.getLogger("amem_callbacks")
@@ -418,6 +418,24 @@ class Transitions:
     def longest_timeout_s(self) -> float:
         """A batch may take as long as its slowest group's c10d timeout."""
         return max((s.timeout_s for s in self.states.values()), default=self.timeout_s or 1800.0)
+
+    # --- the public view (OffloadPolicy.groups / view) ------------------------
+    def views(self, read_nccl: bool = False) -> tuple:
+        """A snapshot of every group held, in key order (see :class:`GroupView`)."""
+        return tuple(self._view(s, read_nccl) for _k, s in sorted(list(self.states.items())))
+
+    def view_of(self, group, read_nccl: bool = False) -> Optional[GroupView]:
+        state = self._state_of(group)
+        return None if state is None else self._view(state, read_nccl)
+
+    def _view(self, state: GroupState, read_nccl: bool) -> GroupView:
+        memory = self._memory(state) if read_nccl else None
+        return GroupView(key=state.info.key, name=state.info.name, ranks=tuple(state.info.ranks),
+                         status=state.status,
+                         resuming=state.resume_queued and not state.finished.is_set(),
+                         suspendable_bytes=state.suspendable,
+                         nccl_suspended=None if memory is None else memory.suspended,
+                         error=state.error)
 
     # --- what the guard asks (guard.GroupOwner) ---------------------------
     def _state_of(self, group) -> Optional[GroupState]:

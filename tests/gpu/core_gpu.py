@@ -63,8 +63,10 @@ def main() -> None:
     checks["at_least_4_groups_suspended"] = len(suspended) >= 4
     checks["ctypes_path"] = all(g.path == "ctypes" for g in begin.suspended)
     checks["freed_ge_99pct_of_suspendable"] = (free1 - free0) >= 0.99 * gpu_nccl_bytes > 0
-    stats = {name: policy.backend.memory(_handle(policy, name)).suspended for name in suspended}
-    checks["nccl_stats_say_suspended"] = all(stats.values())
+    held = {view.name: view for view in policy.groups(read_nccl=True)}
+    result["first_begin"]["held"] = {name: view.as_dict() for name, view in held.items()}
+    checks["nccl_stats_say_suspended"] = set(held) == set(suspended) and all(
+        view.nccl_suspended and view.status == "suspended" for view in held.values())
     checks["kept_group_works_during_phase"] = exact_allreduce(groups["tp"], 3.0)
     dist.barrier(group=sync)
     # guard: a collective on a suspended group resumes it first, on both ranks
@@ -139,11 +141,6 @@ def main() -> None:
     print(f"rank {rank}: {'OK' if result['ok'] else 'FAILED'} {json.dumps(checks)} "
           f"progress {[round(p['ratio'] or 0, 3) for p in progress.values()]}", flush=True)
     sys.exit(0 if result["ok"] else 1)
-
-
-def _handle(policy, name):
-    state = next(s for s in policy._engine.states.values() if s.info.name == name)
-    return state.info.handle
 
 
 if __name__ == "__main__":

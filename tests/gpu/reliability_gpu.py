@@ -187,11 +187,10 @@ def interleavings(r: Rank, seeds: int = 4 if QUICK else 20, actions: int = 12) -
     # and sees exactly the calls the guard let through to the communicator.
     def spy(group, *args, **kwargs):
         policy = current.get("policy")
-        engine = policy._transitions if policy else None
-        state = engine._state_of(group) if engine else None
+        view = policy.view(group) if policy else None
         spied.append(1)
-        if state is not None and state.status is not Status.ACTIVE:
-            violations.append(state.info.name)
+        if view is not None and view.status is not Status.ACTIVE:
+            violations.append(view.name)
         return original(group, *args, **kwargs)
 
     cls.allreduce = spy
@@ -543,8 +542,7 @@ def _kill_case(r: Rank, op: str) -> dict:
         outcome["raised"] = f"{type(exc).__name__}: {exc}"
     outcome["call_s"] = round(time.monotonic() - start, 2)
     print(f"rank {r.rank}: {op} gave {outcome} after {outcome['call_s']} s", flush=True)
-    state = policy._transitions._state_of(groups["dp"])
-    if state is not None:  # the guard holds the group: the next call must raise, not hang
+    if policy.view(groups["dp"]) is not None:  # the guard holds the group: the next call must raise, not hang
         began = time.monotonic()
         try:
             r.exact(groups["dp"], 1.0)
