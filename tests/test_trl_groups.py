@@ -6,7 +6,11 @@ Four gloo ranks (tests.harness), torch's own ``fully_shard`` on CPU:
   ``(Replicate(), Shard(0))``, so only the dp_shard groups gather parameters;
   the dp_replicate groups serve the backward all-reduce alone;
 - plain FSDP2 over a 1-D mesh of the whole world: DeviceMesh reuses the default
-  group, so world is the sharding group and is kept for that reason;
+  group, so world is the sharding group and is kept for that reason; except
+  where CUDA is available and the default group is gloo (these gloo tests on a
+  GPU host, any torch 2.11-2.15: ``DeviceMesh._init_process_groups``), where the
+  mesh gets a group of its own and world is kept for generate's finished flag.
+  Both rules run on every host: the scenario sets the answer DeviceMesh reads;
 - a tiny Qwen2 sharded the way accelerate shards it for HSDP, whose real
   ``generate`` is traced: every group it calls must be kept, and the replicate
   groups are never called (they are the ones left to suspend).
@@ -89,6 +93,22 @@ def _tiny_sharded(mesh, **options):
     return model
 
 
+def _meshes_as_on(cuda_host: bool):
+    """DeviceMesh gives a whole-world dim the default group, unless
+    ``torch.cuda.is_available()`` and the default group is gloo: then a group
+    of its own. Answer that one question as a CPU host or a GPU host would
+    while the meshes are built, so both rules run on every machine."""
+    import contextlib
+    from unittest import mock
+
+    import torch
+
+    if cuda_host == torch.cuda.is_available():
+        return contextlib.nullcontext()
+    return mock.patch("torch.distributed.device_mesh.torch.cuda.is_available",
+                      return_value=cuda_host)
+
+
 def hsdp_and_1d(args):
     """The groups kept for an HSDP model and for a 1-D FSDP2 model."""
     import torch
@@ -101,8 +121,11 @@ def hsdp_and_1d(args):
     _init()
     world = c10d._get_default_group()
     out = {}
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
-    flat = mesh["dp_replicate", "dp_shard"]._flatten("dp")  # accelerate adds this one
+    with _meshes_as_on(args["cuda_host"]):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+        flat = mesh["dp_replicate", "dp_shard"]._flatten("dp")  # accelerate adds this one
+        mesh1 = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
+    out["flat_is_world"] = flat.get_group() is world
     named = {"dp_replicate": mesh.get_group("dp_replicate"), "dp_shard": mesh.get_group("dp_shard"),
              "dp": flat.get_group()}
     label = _label(named)
@@ -114,7 +137,6 @@ def hsdp_and_1d(args):
         "sharding_groups": sorted(label(g) for g, _role, _why in groups_gathered_over(model)),
         "transformers": _uses(_fake_trainer(model), label),
         "vllm_colocate_sleep": _uses(_fake_trainer(model, vllm_sleep_mode=True), label)}
-    mesh1 = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
     label1 = _label({"dp_shard": mesh1.get_group(0)})
     model1 = _tiny_sharded(mesh1)
     out["one_d"] = {
@@ -226,21 +248,27 @@ def _callback_log_line(trainer) -> str:
 
 # --- the tests ---------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
-def results(scenario):
+def results(scenario, cuda_host=False):
     return [r["result"] for r in run_ranks(f"tests.test_trl_groups:{scenario}", world=WORLD,
-                                           timeout=240)]
+                                           timeout=240, args={"cuda_host": cuda_host})]
 
 
-def test_hsdp_gathers_only_over_the_shard_dim():
-    for res in results("hsdp_and_1d"):
+#: DeviceMesh's two rules for a whole-world dim (see the module docstring)
+HOSTS = pytest.mark.parametrize("cuda_host", [False, True], ids=["cpu_host", "cuda_host"])
+
+
+@HOSTS
+def test_hsdp_gathers_only_over_the_shard_dim(cuda_host):
+    for res in results("hsdp_and_1d", cuda_host):
         hsdp = res["hsdp"]
         assert hsdp["placements"] == ["Replicate", "Shard"]
         assert hsdp["mesh_groups"] == ["dp_replicate", "dp_shard"]
         assert hsdp["sharding_groups"] == ["dp_shard"]
 
 
-def test_hsdp_replicate_groups_are_left_to_suspend():
-    for res in results("hsdp_and_1d"):
+@HOSTS
+def test_hsdp_replicate_groups_are_left_to_suspend(cuda_host):
+    for res in results("hsdp_and_1d", cuda_host):
         for mode in ("transformers", "vllm_colocate_sleep"):
             kept = res["hsdp"][mode]
             assert kept["dp_shard"] == FSDP2_SHARDS.format("dp_shard")
@@ -249,26 +277,43 @@ def test_hsdp_replicate_groups_are_left_to_suspend():
         assert set(res["hsdp"]["vllm_colocate_sleep"]) == {"dp_shard"}
 
 
-def test_transformers_generate_keeps_world_for_its_finished_flag():
-    for res in results("hsdp_and_1d"):
+@HOSTS
+def test_transformers_generate_keeps_world_for_its_finished_flag(cuda_host):
+    for res in results("hsdp_and_1d", cuda_host):
+        assert res["flat_is_world"] is not cuda_host  # the rule this run exercised
+        world = "world" if cuda_host else "world+dp"
         kept = res["hsdp"]["transformers"]
-        assert set(kept) == {"world+dp", "dp_shard"}
-        assert "synced_gpus" in kept["world+dp"]
+        assert set(kept) == {world, "dp_shard"}
+        assert "synced_gpus" in kept[world]
 
 
-def test_one_d_fsdp2_over_the_world_keeps_world_as_its_shard_group():
-    for res in results("hsdp_and_1d"):
+@HOSTS
+def test_one_d_fsdp2_over_the_world_keeps_world(cuda_host):
+    """World is kept either way: as the shard group (the mesh reused it), or for
+    generate's finished flag beside the mesh's own group."""
+    for res in results("hsdp_and_1d", cuda_host):
         one_d = res["one_d"]
-        assert one_d["mesh_group_is_world"]
-        assert one_d["sharding_groups"] == ["world+dp_shard"]
-        for mode in ("transformers", "vllm_colocate_sleep"):
-            assert one_d[mode] == {"world+dp_shard": FSDP2_SHARDS.format("dp_shard")}
+        assert one_d["mesh_group_is_world"] is not cuda_host
+        shards = FSDP2_SHARDS.format("dp_shard")
+        if not cuda_host:
+            assert one_d["sharding_groups"] == ["world+dp_shard"]
+            for mode in ("transformers", "vllm_colocate_sleep"):
+                assert one_d[mode] == {"world+dp_shard": shards}
+        else:
+            assert one_d["sharding_groups"] == ["dp_shard"]
+            assert set(one_d["transformers"]) == {"dp_shard", "world"}
+            assert one_d["transformers"]["dp_shard"] == shards
+            assert "synced_gpus" in one_d["transformers"]["world"]
+            # vLLM generates: only the weight re-sync gathers, over the mesh's group
+            assert one_d["vllm_colocate_sleep"] == {"dp_shard": shards}
 
 
-def test_reshard_after_forward_to_a_smaller_group_keeps_that_group_too():
-    for res in results("hsdp_and_1d"):
+@HOSTS
+def test_reshard_after_forward_to_a_smaller_group_keeps_that_group_too(cuda_host):
+    for res in results("hsdp_and_1d", cuda_host):
         entries = res["reshard_to_2"]
-        assert entries[0] == ["world+dp_shard", WORLD, FSDP2_SHARDS.format("dp_shard")]
+        shard = "dp_shard" if cuda_host else "world+dp_shard"
+        assert entries[0] == [shard, WORLD, FSDP2_SHARDS.format("dp_shard")]
         # one pair group per fully_shard call that has parameters (each builds its own mesh)
         assert len(entries) == 3
         for _label, size, why in entries[1:]:
