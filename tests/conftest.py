@@ -17,6 +17,7 @@ def fake_nccl_dir(tmp_path_factory):
 
 def pytest_collection_modifyitems(config, items):
     """GPU tests run only where CUDA sees a GPU (the device machine); one is enough."""
+    _group_by_module(items)
     if not any("gpu" in item.keywords for item in items):
         return
     try:
@@ -31,3 +32,48 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# --- spreading the suite over worker processes where pytest-xdist is installed ---------
+#: modules whose tests may reach the GPU of a GPU host (the real-NCCL suite; the
+#: doctor's one-rank probe): they share one worker, so no two of them run at once
+#: and the GPU suite's free-memory readings see only its own ranks
+DEVICE_MODULES = ("test_gpu.py", "test_cli.py")
+WORKERS_ENV = "AMEM_TEST_WORKERS"
+
+
+def auto_workers(cpus: int, asked: str = None) -> int:
+    """Worker processes for the suite: ``AMEM_TEST_WORKERS`` if set, else a
+    quarter of the cores (most tests start 2-4 rank processes of their own),
+    at most 8; below 2, the suite runs in this process."""
+    if asked not in (None, ""):
+        return int(asked)
+    workers = min(8, cpus // 4)
+    return workers if workers >= 2 else 0
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """The GPU host (16 cores, pytest-xdist in its image) runs the same
+    ``python -m pytest`` in a few minutes instead of about 17: the tests are
+    spread over workers, each module on one worker (its multi-rank scenarios
+    are cached per process) and the device modules together. Runs before
+    xdist's own hook, which turns the count into its workers. ``-n N`` or
+    ``-p no:xdist`` on the command line win; CI (no xdist) runs serially."""
+    if not config.pluginmanager.hasplugin("xdist") or config.option.numprocesses is not None:
+        return None
+    if config.getoption("collectonly") or config.getoption("usepdb", False):
+        return None
+    workers = auto_workers(os.cpu_count() or 1, os.environ.get(WORKERS_ENV))
+    if workers:
+        config.option.numprocesses = workers
+        config.option.dist = "loadgroup"
+    return None
+
+
+def _group_by_module(items) -> None:
+    """Under xdist's loadgroup: one group per module, the device modules in one."""
+    for item in items:
+        module = os.path.basename(str(item.fspath))
+        group = "device" if module in DEVICE_MODULES else module
+        item.add_marker(pytest.mark.xdist_group(group))
