@@ -42,29 +42,33 @@ DEVICE_MODULES = ("test_gpu.py", "test_cli.py")
 WORKERS_ENV = "AMEM_TEST_WORKERS"
 
 
-def auto_workers(cpus: int, asked: str = None) -> int:
-    """Worker processes for the suite: ``AMEM_TEST_WORKERS`` if set, else a
-    quarter of the cores (most tests start 2-4 rank processes of their own),
-    at most 8; below 2, the suite runs in this process."""
-    if asked not in (None, ""):
-        return int(asked)
-    workers = min(8, cpus // 4)
-    return workers if workers >= 2 else 0
+def auto_workers(asked: str = None) -> int:
+    """Worker processes asked for with ``AMEM_TEST_WORKERS`` (unset: none).
+
+    Not on by default: on the GPU machine (Firecracker, 16 cores) four workers
+    made thread creation fail at their start ("can't start new thread" in
+    execnet, OpenBLAS's pthread_create EAGAIN) and xdist re-spawned them in a
+    loop; the serial suite runs there."""
+    if asked in (None, ""):
+        return 0
+    workers = int(asked)
+    if workers < 0:
+        raise ValueError(f"{WORKERS_ENV}={asked!r}: write a count >= 0 (0: no workers)")
+    return workers
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
-    """The GPU host (16 cores, pytest-xdist in its image) runs the same
-    ``python -m pytest`` in a few minutes instead of about 17: the tests are
-    spread over workers, each module on one worker (its multi-rank scenarios
+    """``AMEM_TEST_WORKERS=N python -m pytest`` spreads the suite over N
+    pytest-xdist workers, each module on one worker (its multi-rank scenarios
     are cached per process) and the device modules together. Runs before
-    xdist's own hook, which turns the count into its workers. ``-n N`` or
-    ``-p no:xdist`` on the command line win; CI (no xdist) runs serially."""
+    xdist's own hook, which turns the count into its workers; ``-n N`` or
+    ``-p no:xdist`` on the command line win."""
     if not config.pluginmanager.hasplugin("xdist") or config.option.numprocesses is not None:
         return None
     if config.getoption("collectonly") or config.getoption("usepdb", False):
         return None
-    workers = auto_workers(os.cpu_count() or 1, os.environ.get(WORKERS_ENV))
+    workers = auto_workers(os.environ.get(WORKERS_ENV))
     if workers:
         config.option.numprocesses = workers
         config.option.dist = "loadgroup"
