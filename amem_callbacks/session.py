@@ -35,13 +35,27 @@ import collections
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 from .report import TransitionReport
+from .states import Kind, Status
 
 logger = logging.getLogger("amem_callbacks")
 
 PHASE = "rollout"
+
+
+@dataclass(frozen=True)
+class Freed:
+    """What the running begin has freed on this rank so far (:meth:`RolloutSession.freed`)."""
+
+    #: NCCL's suspendable bytes of the groups suspended now (0 for a dry run)
+    nbytes: int
+    #: the begin's suspends are over (and their outcomes exchanged), or none runs
+    done: bool
+    #: ``time.monotonic()`` when they were over; None while they run or without a begin
+    done_at: Optional[float] = None
 
 
 class RolloutSession:
@@ -97,6 +111,21 @@ class RolloutSession:
             return self.policy.wait_for_free(nbytes)
         finally:
             self.waited["memory"] += time.monotonic() - began
+
+    def freed(self) -> Freed:
+        """Not collective, never blocks: how far the running begin has got on this
+        rank, for a caller that grows into the memory once it is free instead of
+        waiting for it (:meth:`wait_for_memory`)."""
+        begin = next((r for _w, r in reversed(self.history) if r.kind == Kind.BEGIN), None)
+        if begin is None or not self.active:
+            return Freed(0, True)
+        done = not begin.pending
+        if getattr(self.policy.backend, "dry_run", False):
+            nbytes = 0  # a dry run frees nothing
+        else:  # groups the guard has resumed since hold their memory again
+            nbytes = sum(view.suspendable_bytes or 0 for view in self.policy.groups()
+                         if view.status == Status.SUSPENDED and not view.resuming)
+        return Freed(nbytes, done, begin.started + begin.wall_seconds if done else None)
 
     def stop(self, where: str, *, guarded_until_settle: bool = False) -> Optional[TransitionReport]:
         """Collective: end the phase (nothing when none is active).
