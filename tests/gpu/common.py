@@ -5,39 +5,203 @@ Every script runs N ranks on whatever GPUs exist: rank r uses GPU
 NCCL_MULTI_RANK_GPU_ENABLE=1, which tests/gpu/run_all.py sets). On a shared
 GPU cudaMemGetInfo sees every rank, so memory checks compare the GPU's freed
 bytes, read between barriers, with the NCCL bytes of all ranks on it.
+
+CPU mode (``AMEM_GPU_DRIVER_ON_CPU=1``; the older ``AMEM_RELIABILITY_CPU=1``
+and ``AMEM_SOAK_CPU=1`` select it too): a check of the scripts themselves,
+not a GPU result. CI has no GPU, so without it a rename in the package broke
+these scripts unseen (tests/test_gpu_drivers_on_cpu.py runs them this way).
+Each helper below keeps its GPU behaviour and, on CPU, answers with:
+
+- gloo instead of NCCL (:func:`process_group_backend`), tensors on the CPU;
+- the fake NCCL of tests/fake_nccl behind the policy (:func:`policy_backend`,
+  :func:`stand_in_backend`), whose tripwire ends a rank whose collective reaches
+  a suspended communicator, as real NCCL does; the scripts' own gloo groups
+  (:func:`gloo_group`) stay unmapped, as on a GPU where they have no NCCL
+  communicator;
+- a stand-in for the few ``torch.cuda`` calls the scripts make themselves
+  (:func:`bind_device`): constants, so nothing about device memory is measured.
+  The package itself still sees no CUDA (``torch.cuda.is_available()`` is left
+  alone), as on any CPU machine;
+- device-memory and timing verdicts set aside as "not judged on CPU"
+  (:func:`set_aside_on_cpu`): the lines that compute them still run.
 """
 
 from __future__ import annotations
 
 import os
+import weakref
+
+CPU_ENV = "AMEM_GPU_DRIVER_ON_CPU"
+ON_CPU = any(os.environ.get(name) == "1"
+             for name in (CPU_ENV, "AMEM_RELIABILITY_CPU", "AMEM_SOAK_CPU"))
+#: the CPU stand-in's device memory, free and total: constants, never a measurement
+STAND_IN_MEMORY = (40 << 30, 80 << 30)
+NOT_JUDGED_WHY = "not judged on CPU: device memory and time are GPU figures"
+
+_fake = None  # the fake NCCL of this process (CPU mode), made at first use
+_gloo_only = weakref.WeakSet()  # the scripts' own gloo groups: no NCCL communicator
+_not_judged: dict = {}  # check name -> what it said on CPU
+
+if ON_CPU and os.environ.get("AMEM_TEST_MUTATE"):
+    # tests/test_mutations.py: a deliberately broken package, to show that the
+    # CPU runs of these scripts fail on it (tests/mutations.py)
+    from tests import mutations
+
+    mutations.apply(os.environ[mutations.ENV])
 
 
 def bind_device() -> int:
-    """Make this rank's GPU current; returns its index."""
+    """Make this rank's GPU current; returns its index. On CPU: installs the
+    ``torch.cuda`` stand-in first (see the module docstring)."""
     import torch
 
     from amem_callbacks.tools.launch import local_device
 
+    if ON_CPU:
+        _install_cuda_stand_in(torch)
     device = local_device(int(os.environ.get("LOCAL_RANK", "0")))
     torch.cuda.set_device(device)
     return device
+
+
+def _install_cuda_stand_in(torch) -> None:
+    """The calls these scripts (and megatron's engine suspend/resume) make, answered
+    on a machine without CUDA; ``is_available`` and ``device_count`` stay torch's."""
+    free, total = STAND_IN_MEMORY
+    cuda = torch.cuda
+    cuda.set_device = lambda device: None
+    cuda.synchronize = lambda device=None: None
+    cuda.current_device = lambda: 0
+    cuda.mem_get_info = lambda device=None: (free, total)
+    cuda.memory_stats = lambda device=None: {"allocated_bytes.all.current": 0,
+                                             "reserved_bytes.all.current": 0}
+
+
+def process_group_backend(gpu: str = "nccl") -> str:
+    """The default group's backend: ``gpu`` on a GPU, gloo on CPU."""
+    return "gloo" if ON_CPU else gpu
+
+
+def tensor_device() -> str:
+    """Where the scripts' tensors live."""
+    return "cpu" if ON_CPU else "cuda"
+
+
+def policy_device():
+    """The ``device=`` a script gives the policy: the current GPU; None on CPU
+    (the package sees no CUDA there and would refuse a device index)."""
+    if ON_CPU:
+        return None
+    import torch
+
+    return torch.cuda.current_device()
+
+
+def gloo_group(**kwargs):
+    """``dist.new_group(backend="gloo")``: the scripts' barriers while NCCL groups
+    sleep. On CPU every group is gloo: this one is left out of the fake NCCL, so
+    the policy keeps it for want of a communicator, as it does on a GPU."""
+    import torch.distributed as dist
+
+    group = dist.new_group(backend="gloo", **kwargs)
+    if ON_CPU:
+        _gloo_only.add(group)
+    return group
+
+
+def fake_nccl(default_mib: int = 64):
+    """CPU mode: this process's fake NCCL (tests/scenarios.py FakeNccl), one
+    communicator per group it is asked about except the :func:`gloo_group` ones."""
+    global _fake
+    if _fake is None:
+        from tests.scenarios import FakeNccl
+
+        fake = FakeNccl(default_mib=default_mib)
+        mapped = fake.handle_of
+
+        def handle_of(group):
+            if group in _gloo_only:
+                return None, "a gloo group of the script: no NCCL communicator"
+            return mapped(group)
+
+        fake.handle_of = handle_of  # backend() reads the attribute: the policy gets this one
+        _fake = fake
+    return _fake
+
+
+def policy_backend(name: str = "nccl"):
+    """The ``backend=`` a script gives the policy: ``name`` on a GPU; on CPU the
+    fake NCCL's backend, after checking ``name`` is still a backend the package
+    takes (the GPU run passes it)."""
+    if not ON_CPU:
+        return name
+    from amem_callbacks.options import OffloadOptions
+
+    OffloadOptions(backend=name)
+    return fake_nccl().backend()
+
+
+def stand_in_backend():
+    """A Backend instance for an adapter's ``backend=`` argument: None on a GPU
+    (the adapter's own setting counts), the fake NCCL's backend on CPU."""
+    return fake_nccl().backend() if ON_CPU else None
+
+
+def nccl_library():
+    """The NCCL torch loaded (None if none); on CPU, where a CPU-only torch loads
+    none, the fake NCCL's library."""
+    from amem_callbacks.nccl_library import NcclLibrary
+
+    lib = NcclLibrary.loaded()
+    if lib is None and ON_CPU:
+        lib = fake_nccl().library
+    return lib
+
+
+def comm_handle(group) -> tuple:
+    """``(handle, why_not)`` of the group's NCCL communicator, as the nccl backend
+    reaches it; on CPU (torch says "no CUDA device") the fake NCCL's."""
+    from amem_callbacks.backends.nccl import torch_comm_handle
+
+    handle, why = torch_comm_handle(group)
+    if handle is None and ON_CPU:
+        handle, why = fake_nccl().handle_of(group)
+    return handle, why
+
+
+def set_aside_on_cpu(checks: dict, *names: str) -> dict:
+    """On CPU: move the named checks (device memory, timing) out of ``checks``
+    into :func:`cpu_notes`. On a GPU: nothing. Returns ``checks``."""
+    if ON_CPU:
+        for name in names:
+            _not_judged[name] = f"{NOT_JUDGED_WHY} (on CPU it said {checks.pop(name)!r})"
+    return checks
+
+
+def cpu_notes() -> dict:
+    """What a script adds to its result on CPU (nothing on a GPU)."""
+    if not ON_CPU:
+        return {}
+    return {"mode": "cpu (gloo, fake NCCL; not a GPU result)",
+            "not_judged_on_cpu": dict(_not_judged)}
 
 
 def ranks_per_gpu() -> int:
     import torch
     import torch.distributed as dist
 
-    return -(-dist.get_world_size() // torch.cuda.device_count())
+    return -(-dist.get_world_size() // max(1, torch.cuda.device_count()))
 
 
-def exact_allreduce(group, value: float, device="cuda", numel: int = 1 << 20) -> bool:
+def exact_allreduce(group, value: float, device=None, numel: int = 1 << 20) -> bool:
     """All-reduce ``value * (rank + 1)`` on ``group`` and check the exact sum:
-    a wrong or partial result from a half-resumed communicator shows here."""
+    a wrong or partial result from a half-resumed communicator shows here.
+    ``device``: default "cuda" ("cpu" in CPU mode)."""
     import torch
     import torch.distributed as dist
 
     ranks = dist.get_process_group_ranks(group)
-    t = torch.full((numel,), value * (dist.get_rank() + 1), device=device)
+    t = torch.full((numel,), value * (dist.get_rank() + 1), device=device or tensor_device())
     dist.all_reduce(t, group=group)
     return bool(torch.all(t == value * sum(r + 1 for r in ranks)).item())
 
@@ -63,12 +227,11 @@ def synced_free_bytes(sync) -> int:
 
 def same_gpu_total(sync, value: int) -> int:
     """Sum of ``value`` over the ranks on this rank's GPU (one GPU: all ranks)."""
-    import torch
     import torch.distributed as dist
 
     from amem_callbacks.placement import device_id
 
-    mine = device_id(torch.cuda.current_device())
+    mine = device_id(policy_device())
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (mine, value), group=sync)
     return sum(v for dev, v in everyone if dev == mine)

@@ -19,6 +19,9 @@ phase; a disagreeing keep-set (rank 0 keeps "dp", the others do not).
 
 Command (the driver starts the ranks itself):
     python tests/gpu/multinode_gpu.py OUT.json [--ranks 8] [--ranks-per-node 1]
+CPU check of this script (gloo and the fake NCCL, tests/gpu/common.py; NCCL_HOSTID
+still makes the package see one host per rank, so transports read "network"):
+    AMEM_GPU_DRIVER_ON_CPU=1 python tests/gpu/multinode_gpu.py /tmp/multinode.json
 """
 
 from __future__ import annotations
@@ -49,16 +52,16 @@ def layout(world: int) -> dict:
 def rank_main(out_dir: str) -> None:
     from datetime import timedelta
 
-    import torch
     import torch.distributed as dist
 
     from amem_callbacks import OffloadPolicy, name_group
-    from tests.gpu.common import bind_device, exact_allreduce
+    from tests.gpu.common import bind_device, cpu_notes, exact_allreduce, gloo_group, \
+        policy_backend, policy_device, process_group_backend
 
     bind_device()
-    dist.init_process_group("nccl", timeout=timedelta(seconds=120))
+    dist.init_process_group(process_group_backend("nccl"), timeout=timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
-    sync = dist.new_group(backend="gloo")
+    sync = gloo_group()
     mine = {}
     for role, rank_lists in layout(world).items():
         for ranks in rank_lists:  # every rank creates every group, as new_group requires
@@ -69,11 +72,11 @@ def rank_main(out_dir: str) -> None:
     groups = {"world": dist.group.WORLD, **mine}
     for group in groups.values():
         assert exact_allreduce(group, 1.0, numel=1 << 16)
-    result = {"rank": rank, "host": os.environ.get("NCCL_HOSTID"), "cases": {}}
+    result = {"rank": rank, "host": os.environ.get("NCCL_HOSTID"), "cases": {}, **cpu_notes()}
 
     def run_case(name, keep, **options):
-        policy = OffloadPolicy(backend="nccl", keep=keep, min_bytes=0, agree_timeout_s=60,
-                               device=torch.cuda.current_device(), **options)
+        policy = OffloadPolicy(backend=policy_backend("nccl"), keep=keep, min_bytes=0,
+                               agree_timeout_s=60, device=policy_device(), **options)
         dist.barrier(group=sync)
         start = time.monotonic()
         begin = policy.begin("rollout")

@@ -15,8 +15,11 @@ and writes one JSON table: case, what must hold, pass/fail, seconds, details.
 Ranks synchronise over a gloo group while NCCL groups are suspended: a
 collective on a suspended NCCL communicator is an illegal memory access.
 
-``AMEM_RELIABILITY_CPU=1`` runs the cases that do not need a GPU on gloo with
-the fake NCCL of tests/fake_nccl (a check of this script, not a GPU result).
+``AMEM_GPU_DRIVER_ON_CPU=1`` (or the older ``AMEM_RELIABILITY_CPU=1``) runs the
+cases that do not need a GPU on gloo with the fake NCCL of tests/fake_nccl, the
+CPU mode of tests/gpu/common.py (a check of this script, not a GPU result):
+    AMEM_GPU_DRIVER_ON_CPU=1 AMEM_GPU_QUICK=1 python3 tests/gpu/reliability_gpu.py \\
+        /tmp/reliability.json [CASE ...]
 """
 
 from __future__ import annotations
@@ -35,7 +38,12 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CPU = os.environ.get("AMEM_RELIABILITY_CPU") == "1"
+if ROOT not in sys.path:  # tests.gpu.common from any working directory
+    sys.path.insert(0, ROOT)
+
+from tests.gpu import common  # noqa: E402
+
+CPU = common.ON_CPU
 # AMEM_GPU_QUICK=1 (the one-GPU runner): fewer seeds and cycles. Two ranks on one
 # GPU make each transition several times slower (shared device, pinned copies).
 QUICK = os.environ.get("AMEM_GPU_QUICK") == "1"
@@ -89,8 +97,7 @@ class Rank:
             dist.init_process_group("nccl", timeout=timedelta(seconds=c10d_timeout_s))
         self.timeout = timedelta(seconds=c10d_timeout_s)  # new_group's own default is 10 min
         self.rank = dist.get_rank()
-        self.sync = dist.new_group(backend="gloo")  # barriers while NCCL groups sleep
-        self._fake = None
+        self.sync = common.gloo_group()  # barriers while NCCL groups sleep
         self.out_dir = None  # the case's folder: markers for the driver, results
 
     def groups(self, *roles: str) -> dict:
@@ -115,17 +122,13 @@ class Rank:
         self.dist.barrier(group=self.sync)
 
     def backend(self, name: str = "nccl"):
-        if not CPU:
-            return name
-        return self.fake().backend()
+        """``name``; in CPU mode the fake NCCL's backend (common.policy_backend)."""
+        return common.policy_backend(name)
 
     def fake(self):
-        """CPU mode: the fake NCCL behind every gloo group of this process."""
-        if self._fake is None:
-            from tests.scenarios import FakeNccl
-
-            self._fake = FakeNccl(default_mib=64)
-        return self._fake
+        """CPU mode: the fake NCCL behind every gloo group of this process but the
+        sync group (common.fake_nccl)."""
+        return common.fake_nccl(default_mib=64)
 
     def free(self) -> int:
         if CPU:
@@ -342,7 +345,7 @@ def _unusable(r: Rank, backend: str, words: list, backend_options=None) -> dict:
     the fix, nothing suspended, the same memory, exact results."""
     groups = r.groups("dp", "tp")
     lines = WarningLines()
-    policy = r.policy(backend=backend, backend_options=backend_options)
+    policy = r.policy(backend=r.backend(backend), backend_options=backend_options)
     free_before = r.free()
     skipped, exact = [], True
     for cycle in range(3):
@@ -375,7 +378,7 @@ def old_nccl(r: Rank) -> dict:
 
 
 @case("NCCL_CUMEM_ENABLE=0: one line with why and the fix, training unchanged", 120,
-      env={"NCCL_CUMEM_ENABLE": "0"}, gpu_only=True)
+      env={"NCCL_CUMEM_ENABLE": "0"})  # on CPU the fake NCCL's nccl backend refuses it alike
 def cumem_off(r: Rank) -> dict:
     return _unusable(r, "auto", ["NCCL_CUMEM_ENABLE=0", "unset NCCL_CUMEM_ENABLE"])
 

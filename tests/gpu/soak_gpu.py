@@ -6,10 +6,14 @@ judged flat after warm-up.
 GPU (one H200 is enough: several ranks on one GPU need NCCL >= 2.30; the
 driver sets NCCL_MULTI_RANK_GPU_ENABLE=1 and small NCCL buffers, see NCCL_ENV):
     LD_PRELOAD=/path/libnccl.so.2 PYTHONPATH=$PWD python3 tests/gpu/soak_gpu.py \\
-        --out results/soak/soak.json [--seconds 480] [--ranks 4]
-CPU check of this script (gloo ranks, the fake NCCL of tests/fake_nccl):
-    AMEM_SOAK_CPU=1 python tests/gpu/soak_gpu.py --out /tmp/soak.json --seconds 10
-Plot (wherever matplotlib is): python tests/gpu/plot_soak.py results/soak/soak.json
+        --out OUT/soak.json [--seconds 480] [--ranks 4]
+(the committed run: results/one_h200/soak_real_nccl, listed in results/README.md)
+CPU check of this script (gloo ranks, the fake NCCL of tests/fake_nccl; --cpu, or
+the GPU scripts' shared CPU mode AMEM_GPU_DRIVER_ON_CPU=1, or AMEM_SOAK_CPU=1):
+    AMEM_GPU_DRIVER_ON_CPU=1 python tests/gpu/soak_gpu.py --out /tmp/soak.json --seconds 10
+(at scale: results/cpu/soak_fake_nccl_1200_cycles)
+Plot (wherever matplotlib is):
+    python tests/gpu/plot_soak.py results/one_h200/soak_real_nccl/soak.json
 
 One file is driver and rank program, like reliability_gpu.py: the driver starts
 the ranks, bounds the whole run by --wall (a hang is a failure: every rank is
@@ -417,11 +421,14 @@ def parse(argv) -> argparse.Namespace:
                    help="test of this script: the last rank adds 0.5 to one all-reduce of "
                         "this cycle, which must turn the verdict red")
     p.add_argument("--cpu", action="store_true",
-                   help="gloo ranks and the fake NCCL (also AMEM_SOAK_CPU=1)")
+                   help="gloo ranks and the fake NCCL (also AMEM_GPU_DRIVER_ON_CPU=1 or "
+                        "AMEM_SOAK_CPU=1)")
     p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    args.cpu = args.cpu or os.environ.get("AMEM_SOAK_CPU") == "1"
+    from tests.gpu.common import ON_CPU
+
+    args.cpu = args.cpu or ON_CPU
     args.wall = args.wall or args.seconds + 90
     if args.guard_every < 5:
         p.error("--guard-every must be >= 5 (guard, learned-check and plain cycles)")
@@ -523,8 +530,9 @@ def summarize(args, ranks: list, ended: dict, env: dict, started: float) -> dict
     rank0 = next((r for r in done if r["rank"] == 0), {})
     env_prefix = " ".join([f"LD_PRELOAD={shlex.quote(os.environ['LD_PRELOAD'])}"]
                           if os.environ.get("LD_PRELOAD") else []) + " PYTHONPATH=$PWD"
-    if os.environ.get("AMEM_SOAK_CPU") == "1":
-        env_prefix += " AMEM_SOAK_CPU=1"
+    for name in ("AMEM_GPU_DRIVER_ON_CPU", "AMEM_SOAK_CPU"):  # the CPU mode, if it came so
+        if os.environ.get(name) == "1":
+            env_prefix += f" {name}=1"
     return {
         "ok": no_hang and no_failure and all_flat and enough,
         "verdict": {"no_hang": no_hang, "no_failure": no_failure, "flat": all_flat,

@@ -71,6 +71,11 @@ Choices, and why:
 ``--cpu-smoke`` runs the same plumbing on CPU over gloo with the noop backend
 and a CPU "platform" for verl (tests/standins/verl_cpu_platform.py): a check
 of the script, not a GPU proof (nothing is measured on a device).
+``AMEM_GPU_DRIVER_ON_CPU=1`` (tests/gpu/common.py's CPU mode, what
+tests/test_gpu_drivers_on_cpu.py runs) is the same with ``--amem nccl`` by
+default and the fake NCCL of tests/fake_nccl behind the adapter's policy
+(``make_policy``, the adapter's seam for that): groups are suspended and
+resumed, and a collective on a suspended one ends the rank.
 """
 
 from __future__ import annotations
@@ -99,9 +104,10 @@ sys.path.insert(0, STANDINS)  # the ray stand-in wins over an installed Ray
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from tests.gpu.common import bind_device, ranks_per_gpu  # noqa: E402
+from tests.gpu.common import ON_CPU, bind_device, cpu_notes, ranks_per_gpu, \
+    stand_in_backend  # noqa: E402
 
-SMOKE = "--cpu-smoke" in sys.argv
+SMOKE = "--cpu-smoke" in sys.argv or ON_CPU
 FAKE_ROLLOUT = "amem_test_fake"  # the name our fake rollout is registered under
 VOCAB_SPECIALS = ["<pad>", "<eos>", "<unk>"]
 RESULT_KEY = "verl_gpu/result/"
@@ -125,6 +131,14 @@ def import_adapter():
 
 
 ADAPTER = import_adapter()
+if ON_CPU:
+    def _policy_on_the_fake_nccl(settings, _make=ADAPTER.make_policy):
+        """The adapter's own policy, its backend swapped for the fake NCCL."""
+        from amem_callbacks import OffloadPolicy
+
+        return OffloadPolicy(_make(settings).options.replace(backend=stand_in_backend()))
+
+    ADAPTER.make_policy = _policy_on_the_fake_nccl
 
 
 # --- small helpers ------------------------------------------------------------
@@ -657,8 +671,8 @@ def summarize(out_path: str, base_path: str, amem_path: str, control_path: str) 
 def parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out")
-    parser.add_argument("--amem", choices=("nccl", "noop", "off"), default="nccl" if not SMOKE
-                        else "noop")
+    parser.add_argument("--amem", choices=("nccl", "noop", "off"),
+                        default="noop" if SMOKE and not ON_CPU else "nccl")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--baseline", help="a run's OUT.json to compare with")
     parser.add_argument("--kv-mib", type=int, default=0,
@@ -748,7 +762,7 @@ def main() -> int:
                    "ray_standin_calls": getattr(ray, "USED", None),
                    "driver_merged_amem_metrics": ADAPTER.merge_rank_metrics(
                        [r["steps"][-1]["amem_metrics"] for r in ranks]),
-                   "ranks": ranks}
+                   "ranks": ranks, **cpu_notes()}
         base, unreadable = None, None
         if args.baseline:
             try:
