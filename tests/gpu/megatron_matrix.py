@@ -5,7 +5,7 @@ suspended group, what is suspended, losses side by side.
     python3 tests/gpu/megatron_matrix.py OUT [--cells a,b] [--waves 2] [--timeout 300]
 
 Flags come from Megatron-LM's RL example scripts at core_r0.19.0
-(``examples/rl/model_configs``: distributed optimizer with overlapped grad
+(``Megatron-LM/examples/rl/model_configs``: distributed optimizer with overlapped grad
 reduce and param gather in the nemotron configs, ``--sequence-parallel`` with
 TP) plus the KV-cache modes and CUDA graphs. One H200 runs every rank (NCCL >=
 2.30 preloaded, several ranks per GPU): behaviour is real, times are not

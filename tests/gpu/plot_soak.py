@@ -1,7 +1,7 @@
 """The soak's series as one PNG: device free memory, host RSS, pinned bytes and
 threads per sample, and the cycle time, with the warm-up shaded.
 
-    python tests/gpu/plot_soak.py results/soak/soak.json [OUT.png]
+    python tests/gpu/plot_soak.py results/one_h200/soak_real_nccl/soak.json [OUT.png]
 
 A separate step because the GPU image may lack matplotlib: the soak then
 writes its JSON with a note, and this draws the PNG wherever matplotlib is.

@@ -1,6 +1,8 @@
 """One command for the whole GPU suite, on 1, 2 or 8 GPUs alike.
 
-    python -m tests.gpu.run_all --out results/gpu/NAME [--ranks N] [--only core,multinode]
+    python -m tests.gpu.run_all --out OUT [--ranks N] [--only core,multinode]
+
+(the committed runs: results/one_h200/*/summary.json, listed in results/README.md)
 
 Runs each suite with N ranks (default: one per GPU, at least 2; more ranks
 than GPUs share them: NCCL >= 2.30, NCCL_MULTI_RANK_GPU_ENABLE=1 is set here),
