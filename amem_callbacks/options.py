@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
+import threading
 from typing import Callable, Mapping, Optional
 
 from .errors import AmemError
@@ -26,6 +28,26 @@ DEFAULT_WORKERS = 4
 BACKEND_CHOICES = ("auto", "nccl", "amem", "noop")
 GUARD_CHOICES = ("resume", "strict", "off")
 
+# Upper bounds, each where a value really stops working (measured on CPython
+# 3.11, torch 2.13): past them a value passed construction and failed at the
+# first begin, with the phase already open and the guard installed.
+#: The longest wait a Python lock takes (threading.TIMEOUT_MAX, 9223372036 s on
+#: Linux, about 292 years): Event.wait(1e12) raises "timestamp out of range for
+#: platform time_t". Every wait of a transition is a lock wait. (The c10d store
+#: takes up to timedelta's limit, 8.6e13 s, so the lock is the binding one.)
+MAX_WAIT_S = threading.TIMEOUT_MAX
+WAIT_LIMIT = "threading.TIMEOUT_MAX: the longest wait a Python lock takes, about 292 years"
+#: Byte counts are 64-bit in NCCL's and CUDA's own accounts: nothing larger exists.
+MAX_BYTES = 2**63 - 1
+#: ncclSetGroupID and cudaSetDevice take a C int.
+MAX_C_INT = 2**31 - 1
+#: Threads per transition: past 4 NCCL's own barriers dominate (measured, see
+#: DEFAULT_WORKERS); far more only wait on them.
+MAX_WORKERS = 256
+#: Numeric options of the backends, checked here beside their own checks:
+#: backend -> option -> (minimum, maximum, why the maximum).
+BACKEND_NUMBERS = {"amem": {"group_id": (0, MAX_C_INT, "ncclSetGroupID takes a C int")}}
+
 
 class OptionError(AmemError, ValueError):
     """A setting has a wrong name, type or value; the message says what to write."""
@@ -36,14 +58,41 @@ def check_phase(phase) -> None:
         raise OptionError(f"a phase is a non-empty string such as 'rollout', got {phase!r}")
 
 
-def check_number(name, value, minimum, integer=False, exclusive=False) -> None:
+def number_range(minimum, maximum=None, integer=False, exclusive=False, why="") -> str:
+    """How a message states an accepted range: "an integer >= 0 and <= 255 (why)"."""
+    what = "an integer" if integer else "a number"
+    text = f"{what} {'>' if exclusive else '>='} {minimum}"
+    if maximum is not None:
+        whole = isinstance(maximum, float) and maximum.is_integer()
+        text += f" and <= {int(maximum) if whole else maximum}"
+    return text + (f" ({why})" if why else "")
+
+
+def shown(value, limit: int = 60) -> str:
+    """``repr(value)``, cut short: a message quotes a 400-digit integer in full otherwise."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def check_number(name, value, minimum, integer=False, exclusive=False, maximum=None,
+                 why="") -> None:
+    """A number (an integer with ``integer``), finite, above ``minimum`` and at most
+    ``maximum``; else OptionError stating the range and ``why`` it ends there."""
     kind = int if integer else (int, float)
     ok = isinstance(value, kind) and not isinstance(value, bool)
+    # inf and nan first: an inf passed every comparison with a minimum before
+    ok = ok and not (isinstance(value, float) and not math.isfinite(value))
     ok = ok and (value > minimum if exclusive else value >= minimum)
+    ok = ok and (maximum is None or value <= maximum)
     if not ok:
-        bound = f"> {minimum}" if exclusive else f">= {minimum}"
-        what = "an integer" if integer else "a number"
-        raise OptionError(f"{name} must be {what} {bound}, got {value!r}")
+        raise OptionError(f"{name} must be "
+                          f"{number_range(minimum, maximum, integer, exclusive, why)}, "
+                          f"got {shown(value)}")
+
+
+def check_wait(name, value, maximum=MAX_WAIT_S, why=WAIT_LIMIT) -> None:
+    """A number of seconds a caller may wait: > 0, finite, a wait a lock takes."""
+    check_number(name, value, minimum=0, exclusive=True, maximum=maximum, why=why)
 
 
 def number_type(what: str, ok: Callable[[float], bool]) -> Callable[[str], float]:
@@ -174,6 +223,10 @@ def _check_backend_options(backend_options) -> dict:
                 check(**given)
             except ValueError as exc:
                 raise OptionError(f"backend_options[{name!r}]: {exc}") from None
+        for option, (low, high, why) in BACKEND_NUMBERS.get(name, {}).items():
+            if given.get(option) is not None:
+                check_number(f"backend_options[{name!r}][{option!r}]", given[option], low,
+                             integer=True, maximum=high, why=why)
     return {name: dict(given) for name, given in backend_options.items()}
 
 
@@ -240,15 +293,7 @@ class OffloadOptions:
         _check_backend(self.backend)
         if self.guard not in GUARD_CHOICES:
             raise OptionError(f"unknown guard mode {self.guard!r}: write one of {GUARD_CHOICES}")
-        check_number("min_bytes", self.min_bytes, minimum=0, integer=True)
-        check_number("workers", self.workers, minimum=1, integer=True)
-        check_number("agree_timeout_s", self.agree_timeout_s, minimum=0, exclusive=True)
-        for name in ("timeout_s",):
-            if getattr(self, name) is not None:
-                check_number(name, getattr(self, name), minimum=0, exclusive=True)
-        for name in ("host_memory_cap_bytes", "need_bytes", "device"):
-            if getattr(self, name) is not None:
-                check_number(name, getattr(self, name), minimum=0, integer=True)
+        self._check_numbers()
         for name in ("overlap", "learn_keep"):
             check_bool(name, getattr(self, name))
         set_ = object.__setattr__  # frozen: store the normalised forms once
@@ -265,6 +310,26 @@ class OffloadOptions:
                 raise OptionError(f"groups must hold torch.distributed process groups; "
                                   f"{bad[0]!r} is not one")
             set_(self, "groups", groups)
+
+    def _check_numbers(self) -> None:
+        """Type, finiteness and range of every number, each bounded where it stops
+        working (see MAX_WAIT_S and the others above)."""
+        bytes_ = dict(minimum=0, integer=True, maximum=MAX_BYTES,
+                      why="2**63 - 1: NCCL and CUDA count bytes in 64 bits")
+        check_number("min_bytes", self.min_bytes, **bytes_)
+        check_number("workers", self.workers, minimum=1, integer=True, maximum=MAX_WORKERS,
+                     why="past 4 threads NCCL's own barriers dominate")
+        # Members wait up to twice agree_timeout_s for a leader's decision.
+        check_wait("agree_timeout_s", self.agree_timeout_s, maximum=MAX_WAIT_S / 2,
+                   why="half threading.TIMEOUT_MAX: members wait up to twice it")
+        if self.timeout_s is not None:
+            check_wait("timeout_s", self.timeout_s)
+        for name in ("host_memory_cap_bytes", "need_bytes"):
+            if getattr(self, name) is not None:
+                check_number(name, getattr(self, name), **bytes_)
+        if self.device is not None:  # the device count is checked at the first begin
+            check_number("device", self.device, minimum=0, integer=True, maximum=MAX_C_INT,
+                         why="cudaSetDevice takes a C int")
 
     @property
     def backend_name(self) -> str:
