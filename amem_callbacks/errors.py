@@ -33,3 +33,13 @@ class TransitionTimeout(AmemError):
 
 class AdapterError(AmemError):
     """A framework adapter cannot serve this job (it cannot find or hook what it needs)."""
+
+
+class PhaseError(AmemError, ValueError):
+    """``begin``/``end``/``phase()`` called out of order (a phase entered while one
+    is open, an ``end`` naming another phase); the open phase stays as it was."""
+
+
+class TransitionError(AmemError):
+    """A ``begin`` or ``end`` failed partway; the message names every group this
+    rank still holds suspended (no phase is left open)."""

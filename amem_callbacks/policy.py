@@ -11,6 +11,7 @@ on its worker thread, and the backend calls NCCL through ctypes there
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import logging
 import threading
@@ -20,12 +21,13 @@ from typing import Optional
 
 from .backends import select_backend
 from .decide import Setup, agree_setup, plan_begin
-from .errors import TransitionTimeout
+from .errors import PhaseError, TransitionError, TransitionTimeout
 from .groups import distributed_ready
 from .learning import LearnedKeeps
-from .options import OffloadOptions, check_number, check_phase, options_from
+from .options import (MAX_BYTES, MAX_WAIT_S, OffloadOptions, OptionError, check_number,
+                      check_phase, check_wait, options_from)
 from .report import Counters, TransitionReport
-from .states import GuardMode, Kind
+from .states import GuardMode, Kind, Outcome
 from .transitions import Transitions
 
 logger = logging.getLogger("amem_callbacks")
@@ -78,6 +80,9 @@ class OffloadPolicy:
         self._pending = None
         self._warned_not_ready = False
         self._lock = threading.RLock()
+        # the latest (number, report) pairs: metrics() shows the last finished
+        # begin and end, while a later one may still run (a begin and an end at most)
+        self._recent: collections.deque = collections.deque(maxlen=6)
 
     # --- what the options and the set-up say -----------------------------
     def __getattr__(self, name):
@@ -131,9 +136,12 @@ class OffloadPolicy:
     def begin(self, phase: str = "rollout") -> TransitionReport:
         """Collective over all ranks: suspend the groups ``phase`` leaves idle.
 
-        Called while a phase is active, it does nothing and logs a warning.
-        Before ``init_process_group`` (or after ``destroy_process_group``) it
-        logs one warning and does nothing: no phase becomes active.
+        Called while a phase is active, it does nothing and logs a warning
+        naming the open phase (``phase()`` raises instead). Without
+        ``init_process_group`` (a single process, or after
+        ``destroy_process_group``) it logs once why and does nothing: no phase
+        becomes active. If it raises, no phase is active and the message
+        names every group this rank still holds.
         """
         check_phase(phase)
         with self._lock:
@@ -145,20 +153,20 @@ class OffloadPolicy:
                 return self._not_ready(phase)
             self._set_up()
             self._phase = phase
-            if self.inert:
-                return self._skipped(phase, Kind.BEGIN, self.backend_description)
-            self._wait_pending()
-            self.counters.begins += 1
-            report = self._new_report(phase, Kind.BEGIN)
-            plan = plan_begin(self._setup, self.options, phase, self.learned.reasons(phase))
-            return self._run(self._transitions.begin(report, plan), report)
+            try:
+                return self._begin(phase)
+            except BaseException as exc:
+                self._phase = None
+                self._raise_naming_held(f"begin({phase!r})", exc)
 
     def end(self, phase: Optional[str] = None) -> TransitionReport:
         """Collective over all ranks: resume what ``begin`` suspended.
 
         ``end`` with no active phase does nothing; ``end`` naming a phase
-        other than the active one raises ValueError. With ``overlap`` the
-        resumes run in the background, the ``resume_first`` groups first.
+        other than the active one raises :class:`~amem_callbacks.errors.PhaseError`
+        (a ValueError) and leaves that phase open. With ``overlap`` the resumes
+        run in the background, the ``resume_first`` groups first. If it raises
+        partway, no phase is active and the message names what is still held.
         """
         if phase is not None:
             check_phase(phase)
@@ -167,30 +175,38 @@ class OffloadPolicy:
                 logger.debug("amem_callbacks: end(%r) with no active phase: ignored", phase)
                 return self._skipped(phase or "", Kind.END, "no phase is active")
             if phase is not None and phase != self._phase:
-                raise ValueError(f"end({phase!r}) but the active phase is {self._phase!r}: "
+                raise PhaseError(f"end({phase!r}) but the active phase is {self._phase!r}: "
                                  f"call end({self._phase!r})")
             phase, self._phase = self._phase, None
             if self._transitions is None:
                 return self._skipped(phase, Kind.END, self.backend_description)
-            self.counters.ends += 1
-            resumed = self._transitions.take_guard_resumes()
-            if self.options.learn_keep and resumed:
-                self.learned.note(phase, resumed)
-            report = self._new_report(phase, Kind.END)
-            report = self._run(self._transitions.end(report), report)
-            if self.guard_mode is GuardMode.OFF:
-                self._wait_pending()  # nothing else holds a call back until its group is back
-            return report
+            try:
+                return self._end(phase)
+            except BaseException as exc:
+                self._raise_naming_held(f"end({phase!r})", exc)
 
     @contextlib.contextmanager
     def phase(self, name: str = "rollout"):
         """``with policy.phase("rollout"): ...``: begin on entry, end on exit.
 
+        Phases do not nest: entered while a phase is open, it raises
+        :class:`~amem_callbacks.errors.PhaseError` at once, naming the open
+        phase, and leaves that phase as it was. (A nested block used to be
+        ignored at entry and then end the outer phase at its exit.)
+
         If the body raises, the groups are *not* resumed (that is collective
         and the other ranks may not be here); the guard resumes a group if the
         program uses it again.
         """
-        report = self.begin(name)
+        check_phase(name)
+        with self._lock:
+            if self._phase is not None:
+                raise PhaseError(
+                    f"phase({name!r}) entered while phase {self._phase!r} is open: phases do "
+                    f"not nest. Leave the with-block of {self._phase!r} (or call "
+                    f"end({self._phase!r})) before entering another; {self._phase!r} is still "
+                    "open and untouched")
+            report = self.begin(name)
         try:
             yield report
         except BaseException:
@@ -202,6 +218,8 @@ class OffloadPolicy:
 
     def wait(self, timeout_s: Optional[float] = None) -> Optional[TransitionReport]:
         """Block until an overlapped transition has finished; returns its report."""
+        if timeout_s is not None:
+            check_wait("timeout_s", timeout_s)
         with self._lock:
             self._wait_pending(timeout_s)
             return self.last_report
@@ -217,14 +235,16 @@ class OffloadPolicy:
         the latest ``begin`` so far (0 when nothing was suspended).
         """
         if nbytes is not None:
-            check_number("nbytes", nbytes, minimum=0, integer=True)
+            check_number("nbytes", nbytes, minimum=0, integer=True, maximum=MAX_BYTES,
+                         why="2**63 - 1: NCCL counts bytes in 64 bits")
+        if timeout_s is not None:
+            check_wait("timeout_s", timeout_s)
         if self._transitions is None:
             return 0
         if nbytes is None:
             self.wait(timeout_s)
             return self._transitions.wait_for_bytes(0, timeout_s or 1.0)
-        return self._transitions.wait_for_bytes(
-            nbytes, timeout_s or self.options.timeout_s or self._transitions.longest_timeout_s())
+        return self._transitions.wait_for_bytes(nbytes, self._timeout(timeout_s))
 
     def forget_learned(self, phase: Optional[str] = None) -> None:
         """Drop the learned keep-sets (of one phase, or all): after the model or
@@ -232,13 +252,36 @@ class OffloadPolicy:
         self.learned.forget(phase)
 
     def metrics(self, prefix: str = "amem/", last: bool = True) -> dict:
-        """Running totals, learned keeps and (``last``) the last finished transition, flat."""
+        """This rank's figures, flat, for a logger called after each phase (the
+        same keys every adapter logs):
+
+        - ``amem/total/...``: running totals (begins, ends, group suspends and
+          resumes, guard resumes, failures, seconds, device bytes freed);
+        - ``amem/learned/<phase>/<group>``: the keeps learned from guard resumes;
+        - ``amem/inert``: 1 when no backend works here (training runs unchanged);
+        - ``amem/pending``: 1 while a begin or end still runs in the background
+          (``overlap``): its figures are not in yet, the previous ones are;
+        - with ``last``: the last *finished* begin and the last finished end,
+          ``amem/begin/...`` and ``amem/end/...`` (``number``: which begin or end
+          they are, 1 for the first; ``groups_suspended``, ``nccl_bytes``,
+          ``seconds``, ``group/<name>/...``); in a dry run (noop) also
+          ``groups_would_suspend`` / ``groups_would_resume`` and
+          ``group/<name>/would_suspend`` / ``would_resume`` per group.
+
+        With ``overlap``, right after a phase its end is usually still running:
+        log after the next training step, or call :meth:`wait` first, to see it.
+        """
         out = self.counters.as_dict(prefix)
         for phase, groups in self.learned.by_phase().items():
             for name, count in groups.items():
                 out[f"{prefix}learned/{phase}/{name}"] = count
-        if last and self.last_report is not None and not self.last_report.pending:
-            out.update(self.last_report.as_dict(prefix))
+        out[prefix + "inert"] = int(self.inert)
+        out[prefix + "pending"] = int(any(report.pending for _n, report in self._recent))
+        if last:
+            for kind in (Kind.BEGIN, Kind.END):
+                found = self._last_finished(kind)
+                if found is not None:
+                    out.update(self._figures(*found, prefix))
         return out
 
     def store_barrier(self, name: str) -> list:
@@ -277,8 +320,94 @@ class OffloadPolicy:
                                 device_shared_by=self.placement.sharing_my_device(),
                                 learned=self.learned.by_phase().get(phase, {}))
 
-    def _run(self, submitted, report: TransitionReport) -> TransitionReport:
+    def _begin(self, phase: str) -> TransitionReport:
+        """The begin of an open phase; whatever it raises, the caller closes the phase."""
+        if self.inert:
+            return self._skipped(phase, Kind.BEGIN, self.backend_description)
+        self._wait_pending()
+        self.counters.begins += 1
+        report = self._new_report(phase, Kind.BEGIN)
+        plan = plan_begin(self._setup, self.options, phase, self.learned.reasons(phase))
+        before = self._held_states()
+        submitted = None
+        try:
+            submitted = self._transitions.begin(report, plan)
+            return self._run(submitted, report, self.counters.begins)
+        except BaseException:
+            if submitted is None or submitted.task.done():  # nothing will run them now
+                self._release_untouched(before)
+            raise
+
+    def _end(self, phase: str) -> TransitionReport:
+        self.counters.ends += 1
+        resumed = self._transitions.take_guard_resumes()
+        if self.options.learn_keep and resumed:
+            self.learned.note(phase, resumed)
+        report = self._new_report(phase, Kind.END)
+        report = self._run(self._transitions.end(report), report, self.counters.ends)
+        if self.guard_mode is GuardMode.OFF:
+            self._wait_pending()  # nothing else holds a call back until its group is back
+        return report
+
+    # --- what a failed begin or end leaves behind --------------------------
+    def _held_states(self) -> set:
+        states = self._transitions.states if self._transitions is not None else {}
+        return {id(state) for state in list(states.values())}
+
+    def _release_untouched(self, before: set) -> None:
+        """The groups a failed begin registered (guard included) but no worker
+        ever reached: NCCL never saw them, so they are active; drop them, or the
+        guard would hold every later call on them until a timeout. (Uses
+        Transitions' own ``_mark_active``: it has no public call for this.)"""
+        for state in list(self._transitions.states.values()):
+            if id(state) not in before and not state.finished.is_set():
+                self._transitions._mark_active(state)
+
+    def _held_names(self) -> list:
+        return [f"{view.name!r} ({view.status}{', resuming' if view.resuming else ''})"
+                for view in self.groups()]
+
+    def _raise_naming_held(self, what: str, exc: BaseException):
+        """Re-raise what a begin or end raised (its phase is closed already), its
+        message naming every group this rank still holds: those stay suspended
+        and guarded, the guard resumes each before its next call."""
+        held = self._held_names()
+        if not held:
+            raise exc
+        if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: never replaced
+            logger.error("amem_callbacks: %s interrupted; no phase is active; this rank still "
+                         "holds %s", what, ", ".join(held))
+            raise exc
+        cls = TransitionTimeout if isinstance(exc, TransitionTimeout) else TransitionError
+        raise cls(f"{what} failed: {exc} No phase is active; this rank still holds "
+                  f"{', '.join(held)}: the guard resumes each before its next call "
+                  "(guard='resume'); after a timeout, stop the job.") from exc
+
+    # --- what metrics() reads ------------------------------------------------
+    def _last_finished(self, kind: Kind):
+        for number, report in reversed(self._recent):
+            if report.kind is kind and not report.pending:
+                return number, report
+        return None
+
+    def _figures(self, number: int, report: TransitionReport, prefix: str) -> dict:
+        """One finished report's figures; a dry run also says per group what it
+        would have done (the report counts only what it did: nothing)."""
+        out = report.as_dict(prefix)
+        p = f"{prefix}{report.kind}/"
+        out[p + "number"] = number
+        if getattr(self.backend, "dry_run", False):
+            would = Outcome.WOULD_SUSPEND if report.kind is Kind.BEGIN else Outcome.WOULD_RESUME
+            word = str(would).replace(" ", "_")
+            names = [g.name for g in report.groups if g.action == would]
+            out[f"{p}groups_{word}"] = len(names)
+            for name in names:
+                out[f"{p}group/{name}/{word}"] = 1
+        return out
+
+    def _run(self, submitted, report: TransitionReport, number: int) -> TransitionReport:
         self.last_report = report
+        self._recent.append((number, report))
         self._pending = submitted.task
         _live.add(self)
         if not self.options.overlap or submitted.must_wait:
@@ -290,10 +419,16 @@ class OffloadPolicy:
         if task is None:
             return
         try:
-            task.wait(timeout_s or self.options.timeout_s or self._transitions.longest_timeout_s())
+            task.wait(self._timeout(timeout_s))
         except TransitionTimeout as exc:
             stuck = self._transitions.unfinished_groups()
             raise TransitionTimeout(f"{exc} Groups not finished on this rank: {stuck}.") from None
+
+    def _timeout(self, timeout_s: Optional[float]) -> float:
+        """The wait for a transition: the caller's, the option, else the slowest
+        group's c10d timeout, which may exceed the longest wait a lock takes."""
+        chosen = timeout_s or self.options.timeout_s or self._transitions.longest_timeout_s()
+        return min(chosen, MAX_WAIT_S)
 
     def _skipped(self, phase: str, kind: Kind, why: str) -> TransitionReport:
         report = TransitionReport(phase=phase, kind=kind,
@@ -302,12 +437,31 @@ class OffloadPolicy:
         return report
 
     def _not_ready(self, phase: str) -> TransitionReport:
-        why = ("torch.distributed is not initialized: call init_process_group before "
-               "begin(); nothing was suspended and no phase is active")
+        level, why = self._why_not_ready()
         if not self._warned_not_ready:
             self._warned_not_ready = True
-            logger.warning("amem_callbacks: begin(%r): %s", phase, why)
+            logger.log(level, "amem_callbacks: begin(%r): %s", phase, why)
         return self._skipped(phase, Kind.BEGIN, why)
+
+    def _why_not_ready(self) -> tuple:
+        """(log level, why) without torch.distributed: advice that fits how the
+        job was started. A single process (TRL or accelerate on one device, a
+        notebook) has no NCCL communicator at all: nothing to fix there."""
+        import os
+
+        if self._setup is not None:
+            return logging.WARNING, (
+                "torch.distributed was shut down (destroy_process_group) after this policy's "
+                "first begin; nothing was suspended and no phase is active")
+        world = os.environ.get("WORLD_SIZE", "")
+        if world.isdigit() and int(world) > 1:
+            return logging.WARNING, (
+                f"torch.distributed is not initialized in this process of a {world}-process "
+                "job (WORLD_SIZE): call init_process_group before begin(); nothing was "
+                "suspended and no phase is active")
+        return logging.INFO, (
+            "a single process (torch.distributed is not initialized, WORLD_SIZE unset or 1) "
+            "has no NCCL communicator to free: nothing is suspended, training runs unchanged")
 
     def _set_up(self) -> None:
         """First begin on this rank (or the first after the default group was
@@ -319,7 +473,23 @@ class OffloadPolicy:
         if self._setup is not None:
             logger.info("amem_callbacks: the default process group was re-created; "
                         "setting up again")
+        self._check_device()  # before any agreement: nothing is set up if it fails
         self._pending = None
         self._setup = agree_setup(self.options, select_backend)
         self._transitions = None if self._setup.inert else Transitions(
             self._setup, self.options, self.counters)
+
+    def _check_device(self) -> None:
+        """``device`` against the CUDA devices this process sees (construction
+        cannot ask: it imports no torch). Worker threads bind it before any call."""
+        device = self.options.device
+        if device is None:
+            return
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if device >= count:
+            fix = (f"write 0 to {count - 1}, or leave device unset (the current device)"
+                   if count else "leave device unset: this process sees no CUDA device")
+            raise OptionError(f"device={device}, but this process sees {count} CUDA "
+                              f"device(s): {fix}")

@@ -178,19 +178,15 @@ class RolloutSession:
         return None
 
     def metrics(self, prefix: str = "amem/") -> dict:
-        """Running totals, the last finished begin and end, the caller's waits
-        and whether the policy is inert, as flat numbers for the framework's
+        """The policy's figures (:meth:`OffloadPolicy.metrics`: totals, inert,
+        pending, the last finished begin and end: the same keys as plain torch),
+        plus the caller's waits and the headroom, flat for the framework's
         logger; {} before the first start."""
         if not self.history and self.policy.backend is None:
             return {}
-        out = self.policy.metrics(prefix, last=False)
-        out[prefix + "inert"] = int(self.policy.inert)
+        out = self.policy.metrics(prefix)
         for name, seconds in self.waited.items():
             out[f"{prefix}total/caller_wait_{name}_seconds"] = seconds
-        for kind in ("begin", "end"):
-            report = self.last(kind)
-            if report is not None:
-                out.update(report.as_dict(prefix))
         if self.headroom is not None:
             out.update(self.headroom.as_dict(prefix))
         return out

@@ -106,7 +106,8 @@ def test_name_group_refuses_what_is_not_a_group():
         name_group(None, "")
 
 
-def test_before_init_process_group_begin_warns_once_and_leaves_no_phase(caplog):
+def test_before_init_process_group_begin_warns_once_and_leaves_no_phase(caplog, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # one process of a launched job: the advice applies
     policy = OffloadPolicy(backend="noop")
     with caplog.at_level("WARNING", logger="amem_callbacks"):
         first = policy.begin("rollout")
