@@ -6,11 +6,12 @@ import sys
 from amem_callbacks.tools.run_script import run_with_flags
 
 from . import install
-from .args import launcher_parser
+from .args import PREFIX, launcher_parser
 
 
 def main(argv=None) -> None:
-    run_with_flags(launcher_parser(), sys.argv[1:] if argv is None else argv, install)
+    run_with_flags(launcher_parser(), sys.argv[1:] if argv is None else argv, install,
+                   prefix=PREFIX)
 
 
 if __name__ == "__main__":

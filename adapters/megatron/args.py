@@ -9,13 +9,18 @@ import operator
 from typing import Callable, Optional
 
 from amem_callbacks.log import logger
-from amem_callbacks.options import BACKEND_CHOICES, OffloadOptions, number_type, roles_type
+from amem_callbacks.options import (BACKEND_CHOICES, MAX_C_INT, OffloadOptions, number_type,
+                                    roles_type)
 
 from .roles import ALIASES, VALID_KEEP
 
 #: Left out of the freed bytes that grow the KV cache: the cache is one
 #: allocation, and the caching allocator rounds it up.
 DEFAULT_KV_MARGIN_GB = 0.25
+#: Every flag of ours starts so; the launcher refuses one it does not define.
+PREFIX = "--rl-amem-"
+#: A margin above any device's memory (1 PiB) leaves the KV cache as it was.
+MAX_MARGIN_GB = 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,8 +47,10 @@ class Settings:
 
 
 keep_list = roles_type(VALID_KEEP, ALIASES)
-group_id = number_type("must be an integer >= 0", lambda v: v >= 0 and v == int(v))
-gigabytes = number_type("must be a number of GB >= 0", lambda v: v >= 0)
+group_id = number_type(f"must be an integer >= 0 and <= {MAX_C_INT} (ncclSetGroupID takes a C "
+                       "int)", lambda v: 0 <= v <= MAX_C_INT and v == int(v))
+gigabytes = number_type(f"must be a number of GB >= 0 and <= {MAX_MARGIN_GB} (more than any "
+                        "device holds)", lambda v: 0 <= v <= MAX_MARGIN_GB)
 
 
 #: flag -> (Settings field, flag value -> field value, OffloadOptions field or
