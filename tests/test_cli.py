@@ -79,7 +79,10 @@ def test_demo_runs_a_dry_run_on_two_cpu_ranks_without_numpy(tmp_path, no_numpy):
     assert data["dry_run"] is True and len(data["steps"]) == 2
     assert data["steps"][0]["groups"] == {"world": "would suspend", "dp": "would suspend",
                                           "tp": "kept", "ep": "would suspend"}
-    assert any(k.startswith("amem/") for k in data["metrics_rank0"])
+    metrics = data["metrics_rank0"]  # a dry run's figures name what it would have done
+    assert metrics["amem/begin/groups_would_suspend"] == 3 and metrics["amem/inert"] == 0
+    assert all(metrics[f"amem/begin/group/{name}/would_suspend"] == 1
+               for name in ("world", "dp", "ep"))
 
 
 def test_bad_flags_fail_with_the_choices():
@@ -102,17 +105,20 @@ def test_one_rule_for_ranks_with_one_message(tool, capsys):
                 for value in ("0", "1", "-3", "x", "2.5")}
     for value, message in messages.items():
         assert message.endswith(f"argument --ranks: a whole number of ranks >= 2 (a 1-rank "
-                                f"communicator has no peer buffers to free), got '{value}'")
+                                f"communicator has no peer buffers to free) and <= 1024, "
+                                f"got '{value}'")
     assert build_parser().parse_args([tool, "--ranks", "2"]).ranks == 2
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["demo", "--rollout-s", "-1"], "argument --rollout-s: a number of seconds > 0, got '-1'"),
-    (["demo", "--rollout-s", "0"], "a number of seconds > 0, got '0'"),
-    (["bench", "--train-s", "-5"], "argument --train-s: a number of seconds > 0, got '-5'"),
-    (["bench", "--rollout-s", "nan"], "a number of seconds > 0, got 'nan'"),
-    (["bench", "--train-s", "soon"], "a number of seconds > 0, got 'soon'"),
-    (["demo", "--steps", "x"], "argument --steps: a whole number >= 1, got 'x'"),
+    (["demo", "--rollout-s", "-1"],
+     "argument --rollout-s: a number of seconds > 0 and <= 3600, got '-1'"),
+    (["demo", "--rollout-s", "0"], "a number of seconds > 0 and <= 3600, got '0'"),
+    (["bench", "--train-s", "-5"],
+     "argument --train-s: a number of seconds > 0 and <= 3600, got '-5'"),
+    (["bench", "--rollout-s", "nan"], "a number of seconds > 0 and <= 3600, got 'nan'"),
+    (["bench", "--train-s", "soon"], "a number of seconds > 0 and <= 3600, got 'soon'"),
+    (["demo", "--steps", "x"], "argument --steps: a whole number >= 1 and <= 100000, got 'x'"),
     (["bench", "--sweep", "1,a"], "a comma list of whole numbers >= 1"),
     (["bench", "--modes", "naive"], "that includes 'none' (the baseline), got 'naive'"),
 ])

@@ -453,7 +453,9 @@ def main(args) -> int:
 
     from .bench_report import summarise, write_outputs
     from .bench_stages import buffer_env
-    from .launch import plan_ranks, quiet_missing_numpy
+    import sys
+
+    from .launch import backend_refusal, plan_ranks, quiet_missing_numpy
 
     quiet_missing_numpy()
 
@@ -463,6 +465,11 @@ def main(args) -> int:
         print(f"amem-callbacks bench: {layout.refused}")
         return 1
     use_cuda = layout.on_gpu
+    # nccl is the GPU default: a bench measures one backend, so it must work here
+    refused = backend_refusal(args.backend or ("nccl" if use_cuda else "noop"), use_cuda)
+    if refused:
+        print(f"amem-callbacks bench: {refused}", file=sys.stderr)
+        return 1
     if not use_cuda:
         print(f"amem-callbacks bench: no GPU here, so this is a dry run on {layout.ranks} CPU "
               "processes with the noop backend; the figures are not GPU figures and no goal "

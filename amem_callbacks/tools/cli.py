@@ -12,9 +12,18 @@ import tempfile
 import time
 
 from .. import __version__
-from ..options import BACKEND_CHOICES, number_type
+from ..options import BACKEND_CHOICES, MAX_WORKERS, number_type
 
 MIN_RANKS = 2  # a 1-rank communicator has no peer buffers to free
+# Upper bounds of the tools' numbers: past them a run does not finish in any
+# useful time, or asks for more than a machine holds; each message says so.
+MAX_RANKS = 1024  # rank processes on one host
+MAX_STEPS = 100_000
+MAX_SECONDS = 3600.0  # one rollout or training phase of a synthetic loop: an hour
+MAX_GRAD_MIB = 65536  # the gradient tensor alone: 64 GiB
+MAX_PAIRS = 100
+MAX_GUARD_CALLS = 10_000_000
+MAX_GB = 2**20  # 1 PiB: more than any GPU holds
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="compute time of each rollout, while the idle groups are suspended "
                            "(default 0.5)")
     demo.add_argument("--backend", choices=BACKEND_CHOICES, default=None,
-                      help="default: auto on GPUs, noop on CPU")
+                      help="default: auto on GPUs (falls back to running unchanged), noop on "
+                           "CPU; a backend named here that cannot work stops the demo at once, "
+                           "saying why")
     demo.add_argument("--out", metavar="DIR", default=None,
                       help="folder for demo.json, the full metrics (default: a new folder "
                            "under the system temp folder)")
@@ -68,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the full sweep: every default mode, more steps and groups, worker "
                             "sweep, NCCL's default buffers (several minutes on one GPU)")
     _ranks_option(bench)
-    bench.add_argument("--groups", type=positive_int, default=None,
+    bench.add_argument("--groups", type=group_count, default=None,
                        help=f"process groups to suspend, Megatron-like roles (quick "
                             f"{QUICK['groups']}, full {FULL['groups']})")
     bench.add_argument("--steps", type=positive_int, default=None,
@@ -79,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--train-s", type=positive_seconds, default=None, metavar="SECONDS",
                        help=f"compute time of each training phase, before its collectives "
                             f"(quick {QUICK['train_s']}, full {FULL['train_s']})")
-    bench.add_argument("--grad-mib", type=positive_int, default=None, metavar="MIB",
+    bench.add_argument("--grad-mib", type=grad_mib, default=None, metavar="MIB",
                        help=f"size of the gradient all-reduce on 'dp' each step (quick "
                             f"{QUICK['grad_mib']}, full {FULL['grad_mib']})")
     bench.add_argument("--modes", type=mode_list, default=None,
@@ -90,21 +101,23 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with/without pairs run interleaved (none then overlap, overlap "
                             "then none, ...): the step-time ratio inside each pair, median and "
                             f"spread; 0 for none (quick {QUICK['pairs']}, full {FULL['pairs']})")
-    bench.add_argument("--workers", type=positive_int, default=None,
+    bench.add_argument("--workers", type=workers, default=None,
                        help="threads per transition in overlap mode (default: best of --sweep, "
                             "or the policy's default without a sweep)")
     bench.add_argument("--sweep", type=int_list, default=None,
                        help="worker counts to time a whole transition with, e.g. 1,4,8; empty "
                             "for none (quick: none; full 1,2,4,8)")
-    bench.add_argument("--guard-calls", type=positive_int, default=None,
+    bench.add_argument("--guard-calls", type=guard_calls, default=None,
                        help=f"small collectives per side for P3, in 24 alternating blocks "
                             f"(quick {QUICK['guard_calls']}, full {FULL['guard_calls']})")
     # Not "auto": a bench measures one named backend's cost.
     bench.add_argument("--backend", choices=BACKEND_CHOICES[1:], default=None,
-                       help="default: nccl on GPUs, noop on CPU (a dry run)")
+                       help="default: nccl on GPUs, noop on CPU (a dry run); a backend that "
+                            "cannot work here stops the bench at once, saying why")
     bench.add_argument("--out", metavar="DIR", default=None,
-                       help="folder for bench.json and the memory plot (default: a new folder "
-                            "under the system temp folder; the run says where)")
+                       help="folder for bench.json and, on GPUs with matplotlib installed, the "
+                            "memory plot bench_memory.png (the run says which it wrote; default: "
+                            "a new folder under the system temp folder)")
     return parser
 
 
@@ -117,39 +130,49 @@ def _ranks_option(parser) -> None:
 # argparse names a failing type function in its message ("invalid _ranks value"),
 # unless it raises ArgumentTypeError: each one below says what it wants instead.
 
-def ranks(text: str) -> int:
-    value = _int_or_none(text)
-    if value is None or value < MIN_RANKS:
-        raise argparse.ArgumentTypeError(
-            f"a whole number of ranks >= {MIN_RANKS} (a 1-rank communicator has no peer "
-            f"buffers to free), got {text!r}")
-    return value
+def whole(what: str, minimum: int, maximum: int):
+    """An argparse ``type=``: a whole number from ``minimum`` to ``maximum``,
+    else a message saying ``what`` is wanted, with the range."""
+    def parse(text: str) -> int:
+        value = _int_or_none(text)
+        if value is None or not minimum <= value <= maximum:
+            raise argparse.ArgumentTypeError(f"{what}, got {text!r}")
+        return value
+
+    return parse
 
 
-def positive_int(text: str) -> int:
-    value = _int_or_none(text)
-    if value is None or value < 1:
-        raise argparse.ArgumentTypeError(f"a whole number >= 1, got {text!r}")
-    return value
+def _roles_count() -> int:
+    from .bench import ROLES
+
+    return len(ROLES)
 
 
-def whole_number(text: str) -> int:
-    value = _int_or_none(text)
-    if value is None or value < 0:
-        raise argparse.ArgumentTypeError(f"a whole number >= 0, got {text!r}")
-    return value
-
-
-positive_seconds = number_type("a number of seconds > 0", lambda v: v > 0)
-gigabytes = number_type("a number of GB >= 0", lambda v: v >= 0)
+ranks = whole(f"a whole number of ranks >= {MIN_RANKS} (a 1-rank communicator has no peer "
+              f"buffers to free) and <= {MAX_RANKS}", MIN_RANKS, MAX_RANKS)
+positive_int = whole(f"a whole number >= 1 and <= {MAX_STEPS}", 1, MAX_STEPS)
+workers = whole(f"a whole number of threads >= 1 and <= {MAX_WORKERS}", 1, MAX_WORKERS)
+grad_mib = whole(f"a whole number of MiB >= 1 and <= {MAX_GRAD_MIB}", 1, MAX_GRAD_MIB)
+guard_calls = whole(f"a whole number >= 1 and <= {MAX_GUARD_CALLS}", 1, MAX_GUARD_CALLS)
+whole_number = whole(f"a whole number >= 0 and <= {MAX_PAIRS}", 0, MAX_PAIRS)
+positive_seconds = number_type(f"a number of seconds > 0 and <= {MAX_SECONDS:.0f}",
+                               lambda v: 0 < v <= MAX_SECONDS)
+gigabytes = number_type(f"a number of GB >= 0 and <= {MAX_GB} (more than any GPU holds)",
+                        lambda v: 0 <= v <= MAX_GB)
 fraction = number_type("a fraction between 0 and 1, e.g. 0.6", lambda v: 0 < v < 1)
+
+
+def group_count(text: str) -> int:
+    """As many groups as the bench has roles for (it used to cut a larger count silently)."""
+    return whole(f"a whole number of groups >= 1 and <= {_roles_count()} (the bench's "
+                 "Megatron-like roles)", 1, _roles_count())(text)
 
 
 def int_list(text: str) -> list:
     values = [_int_or_none(v) for v in text.split(",") if v.strip()]
-    if any(v is None or v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"a comma list of whole numbers >= 1, e.g. 1,4,8; "
-                                         f"got {text!r}")
+    if any(v is None or not 1 <= v <= MAX_WORKERS for v in values):
+        raise argparse.ArgumentTypeError(f"a comma list of whole numbers >= 1 and <= "
+                                         f"{MAX_WORKERS}, e.g. 1,4,8; got {text!r}")
     return values
 
 

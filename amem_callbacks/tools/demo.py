@@ -96,7 +96,9 @@ def _gpu_free(sync, use_cuda: bool):
 def main(steps: int = 5, rollout_s: float = 0.5, backend: str = None,
          ranks: int = None, out: str = None) -> int:
     """``out``: the folder for demo.json (the CLI checked it is writable)."""
-    from .launch import plan_ranks, quiet_missing_numpy
+    import sys
+
+    from .launch import backend_refusal, plan_ranks, quiet_missing_numpy
 
     quiet_missing_numpy()
     import torch.multiprocessing as mp
@@ -104,6 +106,10 @@ def main(steps: int = 5, rollout_s: float = 0.5, backend: str = None,
     layout = plan_ranks(ranks)
     if layout.refused:
         print(f"amem-callbacks demo: {layout.refused}")
+        return 1
+    refused = backend_refusal(backend, layout.on_gpu)
+    if refused:  # before any rank starts: a demo of a backend that cannot run shows nothing
+        print(f"amem-callbacks demo: {refused}", file=sys.stderr)
         return 1
     use_cuda = layout.on_gpu
     world = layout.ranks

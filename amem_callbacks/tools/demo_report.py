@@ -23,7 +23,9 @@ def dry_run(policy) -> bool:
 def print_table(rows: list, policy) -> None:
     shared = rows[-1][2].device_shared_by if rows else 1
     print(f"\nbackend: {policy.backend.name if policy.backend else 'none'}"
-          f"{' (inert: ' + policy.backend_description + ')' if policy.inert else ''}")
+          f"{' (inert: training ran unchanged)' if policy.inert else ''}")
+    if policy.inert:  # on its own line: a reason can run to hundreds of characters
+        print(f"  why: {policy.backend_description}")
     if shared > 1:
         print(f"{shared} ranks share GPU 0: 'GPU freed' is the whole device (all {shared} "
               "ranks' buffers), 'NCCL' is each rank's own, from NCCL's stats")
@@ -31,7 +33,8 @@ def print_table(rows: list, policy) -> None:
           f"{'NCCL MiB all':>12}  {'GPU freed MiB':>13}  {'begin s':>7}  {'end s':>6}")
     for step, loss, begin, end, nccl_all, freed in rows:
         gpu_freed = f"{freed / MiB:>13.0f}" if freed is not None else f"{'-':>13}"
-        print(f"{step:>4}  {loss:>8.4f}  {','.join(_moved(begin)) or begin.skipped or '-':<24}  "
+        moved = ",".join(_moved(begin)) or ("skipped" if begin.skipped else "-")
+        print(f"{step:>4}  {loss:>8.4f}  {moved:<24}  "
               f"{begin.nccl_bytes / MiB:>15.0f}  {sum(nccl_all) / MiB:>12.0f}  {gpu_freed}  "
               f"{begin.wall_seconds:>7.3f}  {end.wall_seconds:>6.3f}")
     kept = {g.name: g.reason for g in rows[-1][2].kept} if rows else {}

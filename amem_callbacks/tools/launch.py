@@ -101,3 +101,23 @@ def plan_ranks(requested: Optional[int] = None) -> Layout:
             f"(NCCL >= {version_string(MULTI_RANK_MIN_VERSION)} allows it). Fix: pip install -U "
             f"'nvidia-nccl-cu13>={version_string(MULTI_RANK_MIN_VERSION)}', or --ranks {gpus}"))
     return Layout(ranks=ranks, gpus=gpus, env=dict(MULTI_RANK_ENV))
+
+
+def backend_refusal(name: Optional[str], on_gpu: bool) -> Optional[str]:
+    """Why a backend the tool was asked for by name cannot work here, in one
+    line, or None. The library degrades to running unchanged (fail safe); a tool
+    run to show a backend must say so and stop instead, before ranks start."""
+    if name in (None, "auto", "noop"):
+        return None
+    if not on_gpu:
+        return (f"--backend {name} needs GPUs with NCCL and this machine has none: leave "
+                "--backend out for the CPU dry run (noop)")
+    from ..backends import create_backend
+    from ..errors import BackendUnavailable
+
+    try:
+        create_backend(name).check()
+    except BackendUnavailable as exc:
+        return (f"--backend {name} cannot work here: {exc.reason} (`amem-callbacks doctor` "
+                "says how to fix it)")
+    return None
