@@ -41,9 +41,23 @@ def test_dry_run_says_so_and_prints_one_table(bench):
 
 
 def test_results_are_printed_before_the_file_is_written(bench):
-    run, _ = bench
+    run, report = bench
     assert run.stdout.index("DRY RUN figures") < run.stdout.index("wrote ")
     assert "results go to " in run.stdout.split("DRY RUN")[0]  # said before the run
+    # the help promises a memory plot: a run without one says so, and why, once
+    assert run.stdout.count("no memory plot") == 1
+    assert "no memory plot: a dry run samples no device memory (no GPU)" in run.stdout
+    assert report["plot"] == {"path": None,
+                              "why_not": "a dry run samples no device memory (no GPU)"}
+
+
+def test_figures_a_dry_run_does_not_measure_read_not_measured(bench):
+    run, _ = bench
+    lines = {line.split()[0]: line for line in run.stdout.splitlines()
+             if line.startswith(("P1", "P2", "P3", "P4", "P5"))}
+    assert "not measured" in lines["P2"] and "noise" in lines["P2"]
+    assert "not measured" in lines["P1"] and "not measured" in lines["P4"]
+    assert "not measured" not in lines["P3"]  # the guard's own cost is measured on CPU too
 
 
 def test_one_progress_line_per_stage_with_the_time_left(bench):
@@ -64,16 +78,16 @@ def test_report_is_internally_consistent(bench):
         assert report["extra_step_s"][mode] == pytest.approx(mean - report["mean_step_s"]["none"])
     figures = report["figures"]
     assert report["goal_met"] == {} and report["goals"] == {}
-    assert figures["P2"] == pytest.approx(report["extra_step_s"]["overlap"]
-                                          / report["extra_step_s"]["naive"])
-    assert figures["P2b"] == pytest.approx(report["begin_to_memory_free_s"]["overlap"]
-                                           / report["begin_to_memory_free_s"]["naive"])
+    # a dry run computes no ratio from noise: what it did not measure says so, and why
+    from amem_callbacks.tools.bench_report import NOT_MEASURED_DRY
+
+    assert report["not_measured"] == NOT_MEASURED_DRY
+    assert all(figures[name] is None for name in NOT_MEASURED_DRY)
+    assert report["extra_step_s"]["naive"] is not None  # the raw times are still there
     guard = report["guard"]
     assert figures["P3"] == guard["ratio_median"] and guard["pairs"] >= 8
     assert min(guard["with_s"], guard["without_s"]) > 0
-    assert figures["P3_state"] == pytest.approx(guard["without_s"] / guard["nothing_suspended_s"])
-    before, after = report["bandwidth_GBps"]
-    assert figures["P4"] == pytest.approx(after / before)
+    assert report["bandwidth_GBps"][0] > 0
     for mode, parts in report["mean_parts_s"].items():  # the parts fit inside the step
         assert all(v >= 0 for v in parts.values())
         assert sum(parts.values()) <= report["mean_step_s"][mode]

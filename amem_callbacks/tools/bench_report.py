@@ -25,6 +25,22 @@ MEANING = {
     "learn_over_nolearn": "steady step time, rollout touching a group: learn_keep on / off",
     "step_ratio_pairs": "step time, overlap / none, median of interleaved pairs",
 }
+#: What a dry run (noop, CPU) does not measure, and why. Ratios of differences
+#: near zero swing wildly: three identical CPU runs gave P2 = -26.7, -1.4, 0.08.
+#: Left: P3 (the guard's own per-call cost, the same code as on GPUs) and the
+#: pairs' step-time ratio (whole step times, stable).
+NOT_MEASURED_DRY = {
+    "P1": "nothing is freed in a dry run",
+    "P1_overlap": "nothing is freed in a dry run",
+    "P2": "noop transitions add no step time: the ratio would divide noise by noise",
+    "P2b": "no memory is freed, so there is no time until it is free",
+    "P3_state": "nothing is suspended, so both sides run in the same state",
+    "P4": "no communicator was suspended, so the bandwidth cannot have changed",
+    "recreate_over_overlap": "overlap's extra step time is noise in a dry run",
+    "P5": "a noop transition makes no NCCL call that could hold the GIL",
+    "P5_end": "a noop transition makes no NCCL call that could hold the GIL",
+    "learn_over_nolearn": "a guard resume costs nothing in a dry run",
+}
 
 
 def _mean_steady(values: list) -> float:
@@ -80,6 +96,9 @@ def summarise(raw: dict, args, world: int, dry_run: bool) -> dict:
         "learn_over_nolearn": _ratio(mean.get("touch"), mean.get("touch-nolearn")),
         "step_ratio_pairs": pairs.get("median"),
     }
+    not_measured = dict(NOT_MEASURED_DRY) if dry_run else {}
+    for name in not_measured:  # never a figure computed from noise
+        figures[name] = None
     verdicts = {}
     for name, (op, goal) in GOALS.items():
         value = figures[name]
@@ -98,7 +117,8 @@ def summarise(raw: dict, args, world: int, dry_run: bool) -> dict:
         "mean_step_s": mean, "extra_step_s": extra, "mean_parts_s": {
             m: {part: _mean_steady([p[part] for p in v["parts_s"]]) for part in v["parts_s"][0]}
             for m, v in modes.items() if v.get("parts_s")}, "begin_to_memory_free_s": free_after,
-        "figures": figures, "goals": goals, "goal_met": {} if dry_run else verdicts,
+        "figures": figures, "not_measured": not_measured,
+        "goals": goals, "goal_met": {} if dry_run else verdicts,
         "sweep": raw.get("sweep"), "guard": guard,
         "bandwidth_GBps": [raw["bandwidth_before_GBps"], raw["bandwidth_after_GBps"]],
         "reports": {m: v["reports"] for m, v in modes.items()},
@@ -121,7 +141,7 @@ def table(summary: dict) -> str:
         for workers, row in summary["sweep"].items():
             lines.append(f"{workers:<10}{row['begin_s']:>10.3f}{row['end_s']:>10.3f}")
     pairs = summary.get("pairs")
-    if pairs:
+    if pairs and pairs.get("median") is not None:
         lines += ["", f"interleaved pairs, step time overlap / none: median {pairs['median']:.3f} "
                       f"(spread {pairs['spread'][0]:.3f}-{pairs['spread'][1]:.3f}, "
                       f"{len(pairs['ratios'])} pairs, alternating which side ran first)"]
@@ -132,10 +152,14 @@ def table(summary: dict) -> str:
         # CPU stand-in timings: goals beside them would read as verdicts on GPU behaviour
         lines += ["", "DRY RUN figures (nothing is suspended or freed; ratios of the stand-in's "
                       "timings, not GPU results, so no goals)",
-                  f"{'figure':<24}{'value':>8}  meaning"]
+                  f"{'figure':<24}{'value':>14}  meaning"]
+        not_measured = summary.get("not_measured", {})
         for name, value in summary["figures"].items():
+            if name in not_measured:
+                lines.append(f"{name:<24}{'not measured':>14}  {not_measured[name]}")
+                continue
             shown = "n/a" if value is None else f"{value:.3f}"
-            lines.append(f"{name:<24}{shown:>8}  {MEANING[name]}")
+            lines.append(f"{name:<24}{shown:>14}  {MEANING[name]}")
         lines += ["", "run on a GPU for real figures, graded against their goals"]
         return "\n".join(lines)
     lines += ["", f"{'figure':<24}{'value':>8}  {'goal':<8} meaning"]
@@ -155,28 +179,33 @@ def table(summary: dict) -> str:
 
 
 def write_outputs(summary: dict, raw: dict, out_dir: str) -> None:
-    """Print the results first: a file that cannot be written must not lose them."""
+    """Print the results first: a file that cannot be written must not lose them.
+    The memory plot is tried before the JSON, which says whether it exists."""
     print(table(summary), flush=True)
     os.makedirs(out_dir, exist_ok=True)
+    plot_path = os.path.join(out_dir, "bench_memory.png")
+    why_not = plot(raw.get("timeline") or [], plot_path)
     path = os.path.join(out_dir, "bench.json")
     with open(path, "w") as f:
-        json.dump(dict(summary, timeline=raw.get("timeline", [])), f, indent=1)
+        json.dump(dict(summary, timeline=raw.get("timeline", []),
+                       plot={"path": None if why_not else plot_path, "why_not": why_not}),
+                  f, indent=1)
     print(f"\nwrote {path}")
-    if raw.get("timeline"):
-        plot_path = os.path.join(out_dir, "bench_memory.png")
-        if plot(raw["timeline"], plot_path):
-            print(f"wrote {plot_path}")
+    print(f"no memory plot: {why_not}" if why_not else f"wrote {plot_path}")
 
 
-def plot(timeline: list, path: str) -> bool:
+def plot(timeline: list, path: str):
+    """Draw the device-memory timeline into ``path``; None when written, else
+    why not, in a few words (the bench prints it and puts it in the JSON)."""
+    if not timeline:
+        return "a dry run samples no device memory (no GPU)"
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed: no plot (pip install matplotlib)")
-        return False
+        return "matplotlib is not installed (pip install matplotlib)"
     t = [row[0] for row in timeline]
     free = [row[1] / 2**30 for row in timeline]
     fig, ax = plt.subplots(figsize=(12, 4.5))
@@ -197,6 +226,10 @@ def plot(timeline: list, path: str) -> bool:
     ax.set_ylabel("device free memory, GiB (rank 0)")
     ax.set_title("amem-callbacks bench: rollout (blue) and training (orange) per mode")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as exc:  # the JSON still goes out, saying why
+        return f"cannot write {path}: {exc.strerror or exc}"
+    finally:
+        plt.close(fig)
+    return None
