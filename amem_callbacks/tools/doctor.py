@@ -55,6 +55,14 @@ def diagnose(amem_library: Optional[str] = None, probe: bool = True) -> Diagnosi
                                   "install a CUDA build of torch on the GPU machines"))
     _nccl_facts(d, torch)
     _paths(d)
+    if amem_library and not os.path.isfile(amem_library):
+        # Checked against nothing: its folder would make a fix such as LD_LIBRARY_PATH=/
+        d.problems.append(Problem(
+            f"--amem-library {amem_library}: no such file",
+            "give the path of AMem's patched libnccl.so.2 (the file itself, e.g. "
+            "/opt/amem/lib/libnccl.so.2), or leave --amem-library out"))
+        d.facts.update(amem_library=amem_library, amem_library_exists=False)
+        amem_library = None
     _env_facts(d, amem_library)
     _pick(d, amem_library)
     if probe and torch.cuda.is_available() and d.backend == "nccl":
