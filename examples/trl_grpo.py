@@ -16,6 +16,7 @@ its figures land in the trainer's logs as ``amem/...``.
 from __future__ import annotations
 
 import argparse
+import inspect
 import logging
 import tempfile
 
@@ -59,16 +60,26 @@ def reward(completions, **kwargs):
     return [-abs(len(c.split()) - 8) / 8.0 for c in completions]
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    # The callback's own default, read from it: the example must not run
+    # differently from a plain AMemCallback() (it once defaulted to False).
+    overlap = inspect.signature(AMemCallback).parameters["overlap"].default
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model",
                         help="a causal LM on the Hub or on disk (default: a tiny one built here)")
     parser.add_argument("--backend", default="auto", help="auto, nccl, amem or noop (dry run)")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--completion-length", type=int, default=16)
-    parser.add_argument("--overlap", action="store_true", help="suspend while the model generates")
+    parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=overlap,
+                        help="suspend and resume in the background while the model generates "
+                             f"(AMemCallback's default: {'on' if overlap else 'off'}); "
+                             "--no-overlap waits for each transition")
     parser.add_argument("--output-dir", default=None)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("transformers").setLevel(logging.WARNING)
 
