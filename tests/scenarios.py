@@ -619,3 +619,194 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+# --- issue 33: bad input, second pass (run as "tests.scenarios:NAME": defined after main()) ---
+
+def _nothing_applied(policy) -> dict:
+    """What a failed or refused call may leave: the open phase, the groups this
+    rank holds, the guard's watch list and whether torch's methods are wrapped."""
+    from amem_callbacks import guard
+
+    wrapped = hasattr(dist.ProcessGroup.__dict__.get("allreduce"), "__amem_original__")
+    return {"phase": policy.active_phase, "held": [v.name for v in policy.groups()],
+            "watched": len(guard.watched()), "guard_installed": wrapped}
+
+
+def longest_waits(args):
+    """The largest timeouts the options accept work through whole phases
+    (they used to pass construction and overflow at the first begin)."""
+    init()
+    from amem_callbacks.options import MAX_WAIT_S
+
+    groups = make_groups(dist.get_world_size())
+    for g in groups.values():
+        allreduce_ok(g)
+    fake = FakeNccl()
+    out = {}
+    for overlap in (False, True):
+        policy = OffloadPolicy(backend=fake.backend(), keep=["tp"], overlap=overlap,
+                               timeout_s=MAX_WAIT_S, agree_timeout_s=MAX_WAIT_S / 2)
+        policy.begin("rollout")
+        freed = policy.wait_for_free(1)
+        during = fake.suspended()
+        policy.end("rollout")
+        policy.wait(MAX_WAIT_S)
+        out[str(overlap)] = {"freed": freed, "during": during, "after": fake.suspended(),
+                             "exact": all(allreduce_ok(g) for g in groups.values()),
+                             **_nothing_applied(policy)}
+    return out
+
+
+def nested_phase(args):
+    """A phase entered inside another fails at entry and leaves the outer one as
+    it was; nothing is learned from it and no group is kept from then on."""
+    init()
+    from amem_callbacks.errors import PhaseError
+
+    groups = make_groups(dist.get_world_size())
+    for g in groups.values():
+        allreduce_ok(g)
+    fake = FakeNccl()
+    policy = OffloadPolicy(backend=fake.backend(), keep=["tp"], agree_timeout_s=20,
+                           timeout_s=30)
+    out = {"inner_ran": False}
+    with policy.phase("rollout"):
+        out["before"] = fake.suspended()
+        try:
+            with policy.phase("rollout"):
+                out["inner_ran"] = True
+        except PhaseError as exc:
+            out["error"] = str(exc)
+        out["after_refusal"] = {"phase": policy.active_phase, "suspended": fake.suspended(),
+                                "held": [v.name for v in policy.groups()]}
+        out["second_begin"] = policy.begin("rollout").skipped  # begin twice: warned, ignored
+        out["after_second_begin"] = fake.suspended()
+    out["after"] = fake.suspended()
+    out["exact"] = all(allreduce_ok(g) for g in groups.values())
+    with policy.phase("rollout") as report:
+        out["next_phase"] = {g.name: str(g.action) for g in report.groups}
+    out.update(auto_resumes=policy.counters.auto_resumes, learned=policy.learned.by_phase(),
+               end=_nothing_applied(policy))
+    return out
+
+
+class _PathOfFails(NcclBackend):
+    """A backend that fails after the plan, while the suspend batch is assembled."""
+
+    def path_of(self, handle):
+        raise RuntimeError("path_of exploded")
+
+
+def failed_transitions(args):
+    """begin/end that raise partway leave no phase open, and name every group
+    still held; groups nobody suspended are released (guard off them)."""
+    init()
+    from amem_callbacks.options import MAX_C_INT
+
+    groups = make_groups(dist.get_world_size())
+    for g in groups.values():
+        allreduce_ok(g)
+    fake = FakeNccl()
+    out = {}
+    # 1. raises while the batch is assembled: the guard watched groups nobody suspends
+    broken = _PathOfFails(library=fake.library, handle_of=fake.handle_of)
+    policy = OffloadPolicy(backend=broken, agree_timeout_s=20, timeout_s=30)
+    try:
+        policy.begin("rollout")
+    except RuntimeError as exc:
+        out["assembly"] = {"error": f"{type(exc).__name__}: {exc}", "suspended": fake.suspended(),
+                           **_nothing_applied(policy)}
+    # 2. the store fails after every suspend: they stay suspended, the message names them
+    policy = OffloadPolicy(backend=fake.backend(), keep=["tp"], agree_timeout_s=20, timeout_s=30)
+    with policy.phase("rollout"):
+        pass  # sets up the agreement
+    agreement = policy._setup.agreement
+    real_exchange = agreement.exchange
+
+    def lost(values):
+        raise RuntimeError("store connection lost")
+
+    agreement.exchange = lost
+    try:
+        policy.begin("rollout")
+    except Exception as exc:
+        out["begin"] = {"error": f"{type(exc).__name__}: {exc}", "suspended": fake.suspended(),
+                        **_nothing_applied(policy)}
+    agreement.exchange = real_exchange
+    out["guard_resumes"] = all(allreduce_ok(g) for g in groups.values())
+    out["after_guard"] = {"suspended": fake.suspended(), **_nothing_applied(policy)}
+    # 3. the store fails after every resume of an end: nothing is held, the error is the store's
+    policy.begin("rollout")
+    agreement.exchange = lost
+    try:
+        policy.end("rollout")
+    except Exception as exc:
+        out["end"] = {"error": f"{type(exc).__name__}: {exc}", "suspended": fake.suspended(),
+                      **_nothing_applied(policy)}
+    agreement.exchange = real_exchange
+    # 4. a device this process does not have: refused at the first begin, before any agreement
+    policy = OffloadPolicy(backend="noop", device=MAX_C_INT)
+    try:
+        policy.begin("rollout")
+    except ValueError as exc:
+        out["device"] = {"error": f"{type(exc).__name__}: {exc}", "set_up": policy.backend,
+                         **_nothing_applied(policy)}
+    out["exact"] = all(allreduce_ok(g) for g in groups.values())
+    return out
+
+
+def metrics_keys(args):
+    """What a user logs after each phase, in plain torch and through the session
+    every adapter drives: the same keys; a dry run names what it would do."""
+    init()
+    from amem_callbacks.session import RolloutSession
+
+    make_groups(dist.get_world_size())
+    plain = OffloadPolicy(backend="noop", keep=["tp"], overlap=True, agree_timeout_s=20)
+    out = {"before": plain.metrics()}
+    for _ in range(2):
+        with plain.phase("rollout"):
+            time.sleep(0.05)
+        out["right_after"] = plain.metrics()
+    plain.wait()
+    out["settled"] = plain.metrics()
+    session = RolloutSession(OffloadPolicy(backend="noop", keep=["tp"], overlap=True,
+                                           agree_timeout_s=20))
+    for _ in range(2):
+        session.start("generate", need_bytes=0)
+        time.sleep(0.05)
+        session.stop("generate", guarded_until_settle=True)
+    session.settle()
+    out["session"] = session.metrics()
+    return out
+
+
+def trl_single_process(args):
+    """One process, as `python train.py` on one device: no torch.distributed.
+    What the callback says, and that training runs unchanged."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(name, None)  # not a launched job
+    from trl import GRPOTrainer
+
+    from amem_callbacks import guard
+    from amem_callbacks.adapters.trl import AMemCallback
+    from tests import scenarios_trl as trl_run
+
+    lines = []
+
+    class Lines(logging.Handler):
+        def emit(self, record):
+            lines.append([record.levelname, record.getMessage()])
+
+    logging.getLogger("amem_callbacks").addHandler(Lines(logging.INFO))
+    callback = AMemCallback(backend="noop")
+    trainer = GRPOTrainer(model=trl_run.model(), reward_funcs=trl_run.reward,
+                          args=trl_run.grpo_args(max_steps=2), train_dataset=trl_run.dataset(),
+                          processing_class=trl_run.tokenizer(), callbacks=[callback])
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return {"lines": lines, "skipped": callback.policy.last_report.skipped,
+            "distributed": dist.is_initialized(), "steps": len(logs),
+            "amem_keys": sorted({k for h in logs for k in h if k.startswith("amem/")}),
+            "phase": callback.policy.active_phase, "watched": len(guard.watched())}
