@@ -1,0 +1,504 @@
+"""The GPU drivers of tests/gpu, their own code, run on CPU.
+
+CI has no GPU, so a rename in the package once broke tests/gpu/core_gpu.py on
+every GPU host unseen. Here each driver runs in the CPU mode of
+tests/gpu/common.py (``AMEM_GPU_DRIVER_ON_CPU=1``: gloo, the fake NCCL of
+tests/fake_nccl behind the policy, a stand-in for the driver's own
+``torch.cuda`` calls) far enough to execute every line that touches the
+package: policy or adapter construction, begin, the checks that read reports,
+views and counters, end, and the JSON it writes. Device-memory and timing
+verdicts are listed by the drivers as not judged on CPU; the tests below check
+that exactly those are, so a check cannot drop out of the CPU run unnoticed.
+
+What cannot run here, and what stands in:
+- megatron_rl_gpu.py's loop needs Megatron-LM's tree (``megatron.rl``,
+  train_rl.py), which CI does not have: its record of what the controller did
+  (``amem_summary``, ``write_record``) is taken from a live controller on the
+  hooked engine of megatron-core 0.16.1, and its ``merge`` (and
+  megatron_matrix.py's ``summarise``) read that record beside the recorded GPU
+  runs of results/one_h200/megatron_rl_dp2;
+- megatron_rl_agent.py imports ``megatron.rl`` and calls nothing of the package;
+- verl_gpu.sh repeats verl_gpu.py three times (one amem run runs every line of
+  it that touches the package) and merges JSON;
+- the launchers' ``--rl-amem-*`` flags are checked against the adapter's parser.
+
+Two CPU cores: every run below is started at once, when the first test of the
+module needs them, and each test waits for its own. Most of the time is start-up
+(torch, trl, verl and megatron imports) and the reliability cases' bounded waits
+for dead or stopped ranks, which overlap well.
+"""
+
+from __future__ import annotations
+
+import ast
+import glob
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from tests.gpu import common  # noqa: E402
+
+RECORDED_MEGATRON = os.path.join(ROOT, "results", "one_h200", "megatron_rl_dp2")
+LIMIT_S = 600  # per run; a hang fails its test, saying so
+GRACE_S = 20  # after one rank failed, its peers wait for it in a collective: then killed
+
+
+# --- starting a driver the way its usage line does -------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def driver_env(**extra) -> dict:
+    """The CPU mode, on any machine: CUDA hidden so a GPU host runs the same as CI,
+    one OpenMP thread per process (dozens of processes share two cores)."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
+               AMEM_GPU_QUICK="1", **{common.CPU_ENV: "1"})
+    env.pop("AMEM_TEST_MUTATE", None)  # unmutated unless asked (tests/test_mutations.py)
+    env.update(extra)
+    return env
+
+
+class Run:
+    """Processes started for one driver: ``ranks`` of them with torchrun's
+    variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_*), or one driver process
+    that starts its own ranks."""
+
+    def __init__(self, name: str, argv: list, out: str, ranks: int = 0, env: dict = None):
+        self.name, self.out, self.started = name, out, time.monotonic()
+        os.makedirs(out, exist_ok=True)
+        env = env or driver_env()
+        port = free_port()
+        self.procs, self.logs = [], []
+        for rank in range(max(1, ranks)):
+            rank_env = dict(env)
+            if ranks:
+                rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks),
+                                LOCAL_WORLD_SIZE=str(ranks), GROUP_RANK="0",
+                                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            log = os.path.join(out, f"{name}.{rank}.log")
+            self.logs.append(log)
+            with open(log, "w") as f:
+                self.procs.append(subprocess.Popen([sys.executable, *argv], cwd=ROOT,
+                                                   env=rank_env, stdout=f,
+                                                   stderr=subprocess.STDOUT,
+                                                   start_new_session=True))
+        self.codes = None
+        self.hung = False
+
+    def wait(self) -> list:
+        """Exit codes; a process still running past LIMIT_S, or GRACE_S after
+        another failed, is killed with its process group."""
+        if self.codes is not None:
+            return self.codes
+        failed_at = None
+        while any(p.poll() is None for p in self.procs):
+            now = time.monotonic()
+            if failed_at is None and any(p.poll() not in (None, 0) for p in self.procs):
+                failed_at = now
+            if now - self.started > LIMIT_S or (failed_at and now - failed_at > GRACE_S):
+                self.hung = now - self.started > LIMIT_S
+                self.kill()
+                break
+            time.sleep(0.2)
+        self.codes = [p.wait() for p in self.procs]  # a killed one: -9
+        return self.codes
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)  # the driver and the ranks it started
+                except ProcessLookupError:
+                    pass
+
+    def output(self) -> str:
+        """Every log's tail, and the result files of rank scenarios (their tracebacks)."""
+        files = self.logs + sorted(glob.glob(os.path.join(self.out, "rank*.json")))
+        return "\n".join(f"--- {path}\n" + open(path, errors="replace").read()[-6000:]
+                         for path in files)
+
+    def passed(self) -> None:
+        """Every process exited 0, else the failure with every log tail."""
+        codes = self.wait()
+        assert not self.hung, f"{self.name} ran past {LIMIT_S} s\n{self.output()}"
+        assert codes == [0] * len(codes), f"{self.name} exit codes {codes}\n{self.output()}"
+
+    def json(self, name: str) -> dict:
+        with open(os.path.join(self.out, name)) as f:
+            return json.load(f)
+
+
+def gpu_script(name: str) -> str:
+    return os.path.join("tests", "gpu", name)
+
+
+def start_core(out: str, mutation: str = None) -> Run:
+    """core_gpu.py on 2 ranks, 3 cycles (also tests/test_mutations.py's run)."""
+    env = driver_env(**({"AMEM_TEST_MUTATE": mutation} if mutation else {}))
+    return Run("core", [gpu_script("core_gpu.py"), os.path.join(out, "core.json"), "3"], out,
+               ranks=2, env=env)
+
+
+# The reliability cases in three driver runs side by side: the last two spend
+# most of their time waiting on purpose (a killed, stopped or dead rank, the
+# bounds that come after) while the first computes. Together they are every
+# case the CPU mode has (checked below).
+RELIABILITY = {
+    "reliability": ["interleavings", "disagreement", "host_cap", "ddp_identical", "cycles",
+                    "cumem_off"],
+    "reliability_faults_a": ["kill_in_suspend", "stop_in_begin"],
+    "reliability_faults_b": ["kill_in_resume", "rank_dies"],
+}
+RELIABILITY_GPU_ONLY = {"old_nccl": "needs torch's own older NCCL loaded (no preload)",
+                        "amem_unusable": "needs the real NCCL of a CUDA torch to tell AMem's "
+                                         "from it"}
+MEGATRON_RL_ROLLOUTS = 4  # as many as the recorded amem run had (its merge compares them)
+
+
+def start_all(names, tmp: str) -> dict:
+    starters = {
+        "core": lambda out: start_core(out),
+        # 4 ranks (TP 2 x PP 2, DP groups of one) rather than the GPU run's 8: the
+        # same lines of the package, half the processes on two cores
+        "multinode": lambda out: Run("multinode", [gpu_script("multinode_gpu.py"),
+                                                   os.path.join(out, "multinode.json"),
+                                                   "--ranks", "4"], out),
+        **{name: (lambda out, cases=cases, name=name: Run(
+            name, [gpu_script("reliability_gpu.py"), os.path.join(out, f"{name}.json"),
+                   *cases], out)) for name, cases in RELIABILITY.items()},
+        # the shared CPU mode alone (no --cpu): soak's own CPU mode must follow it
+        "soak": lambda out: Run("soak", [gpu_script("soak_gpu.py"), "--out",
+                                         os.path.join(out, "soak.json"), "--ranks", "2",
+                                         "--cycles", "14", "--sample-every", "1",
+                                         "--guard-every", "5", "--disagree-every", "10",
+                                         "--seconds", "120", "--no-plot"], out),
+        "trl": lambda out: Run("trl", [gpu_script("trl_gpu.py"), os.path.join(out, "trl.json"),
+                                       "--steps", "2", "--hidden", "64", "--layers", "1",
+                                       "--completion-length", "8", "--batch", "2"], out,
+                               ranks=2),
+        "verl": lambda out: Run("verl", [gpu_script("verl_gpu.py"),
+                                         os.path.join(out, "verl.json"), "--steps", "2"], out,
+                                ranks=2),
+        # one configuration: dp2 and tp2 run the same lines of the package
+        "megatron": lambda out: Run("megatron", [gpu_script("megatron_gpu.py"), out,
+                                                 "--configs", "separate"], out,
+                                    env=driver_env(PET_MASTER_PORT=str(free_port()))),
+        "megatron_rl_records": lambda out: Run(
+            "megatron_rl_records",
+            ["-m", "tests.scenarios", f"{__name__}:megatron_rl_records",
+             json.dumps({"prefix": os.path.join(out, "amem"),
+                         "rollouts": MEGATRON_RL_ROLLOUTS})],
+            out, ranks=2, env=driver_env(AMEM_TEST_OUT=out)),
+    }
+    return {name: starters[name](os.path.join(tmp, name)) for name in starters if name in names}
+
+
+def needs(*names):
+    """The runs a test reads (started together by the ``runs`` fixture)."""
+    def mark(fn):
+        fn.runs_needed = names
+        return fn
+    return mark
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory, fake_nccl_dir):
+    """Every run the selected tests of this module need, started at once."""
+    wanted = set()
+    for item in request.session.items:
+        wanted.update(getattr(getattr(item, "function", None), "runs_needed", ()))
+    started = start_all(wanted, str(tmp_path_factory.mktemp("gpu-drivers-on-cpu")))
+    yield started
+    for run in started.values():
+        run.kill()
+
+
+# --- core_gpu.py ------------------------------------------------------------
+CORE_JUDGED = {"at_least_4_groups_suspended", "ctypes_path", "nccl_stats_say_suspended",
+               "kept_group_works_during_phase", "guard_auto_resume_exact", "guard_counted",
+               "exact_after_end", "exact_after_overlapped_cycle", "exact_every_cycle"}
+CORE_NOT_JUDGED = {"freed_ge_99pct_of_suspendable", "caller_progress_ge_0.8",
+                   "device_memory_flat_1pct", "host_rss_flat_1pct"}
+
+
+@needs("core")
+def test_core_gpu_runs_its_checks_on_the_fake_nccl(runs):
+    run = runs["core"]
+    run.passed()
+    for rank in (0, 1):
+        result = run.json(f"core.rank{rank}.json")
+        assert result["ok"] and set(result["checks"]) == CORE_JUDGED, result["checks"]
+        assert set(result["not_judged_on_cpu"]) == CORE_NOT_JUDGED
+        held = result["first_begin"]["held"]  # policy.groups(read_nccl=True), as_dict()
+        assert set(held) == set(result["first_begin"]["suspended"]) >= {"world", "dp", "ep"}
+        assert all(v["nccl_suspended"] and v["status"] == "suspended" for v in held.values())
+        assert result["counters"]["amem/total/auto_resumes"] == 1
+        assert result["cycles"]["n"] == 3 and "libnccl-fake" in result["nccl_path"]
+
+
+# --- multinode_gpu.py ---------------------------------------------------------
+@needs("multinode")
+def test_multinode_gpu_runs_its_four_cases_over_simulated_hosts(runs):
+    run = runs["multinode"]
+    run.passed()
+    summary = run.json("multinode.json")
+    assert summary["ok"] and summary["world"] == 4, summary["checks"]
+    assert summary["checks"]["guard_resumed_dp"] and summary["checks"]["transport_reported"]
+    for rank in summary["ranks"]:
+        assert set(rank["cases"]) == {"overlap_off", "overlap_on_4_workers", "guard_resume",
+                                      "disagreeing_keep"}
+        # NCCL_HOSTID gives every rank its own host: the package says every group
+        # crosses hosts, as on the GPU host, but the DP groups of one rank here
+        groups = rank["cases"]["overlap_off"]["groups"]
+        assert all(g["transport"] == "intra-node" if name == "dp" else
+                   g["transport"].startswith("network") for name, g in groups.items()), groups
+
+
+# --- reliability_gpu.py -----------------------------------------------------------
+def test_every_reliability_case_runs_on_cpu_or_says_why_not():
+    from tests.gpu import reliability_gpu
+
+    chosen = [case for cases in RELIABILITY.values() for case in cases]
+    assert len(chosen) == len(set(chosen))
+    assert set(chosen) | set(RELIABILITY_GPU_ONLY) == set(reliability_gpu.CASES)
+
+
+@needs(*RELIABILITY)
+@pytest.mark.parametrize("name", list(RELIABILITY))
+def test_reliability_gpu_cases_hold_on_the_fake_nccl(runs, name):
+    run = runs[name]
+    run.passed()
+    table = run.json(f"{name}.json")
+    assert table["mode"] == "cpu-fake" and table["complete"] and table["ok"]
+    assert [row["case"] for row in table["table"]] == RELIABILITY[name]
+    # True, not "not applicable" (None): every chosen case is judged on CPU
+    assert all(row["ok"] is True for row in table["table"]), table["table"]
+
+
+# --- soak_gpu.py ----------------------------------------------------------------
+@needs("soak")
+def test_soak_gpu_follows_the_shared_cpu_mode(runs):
+    run = runs["soak"]
+    run.passed()
+    result = run.json("soak.json")
+    assert result["ok"] and result["mode"] == "cpu-fake-nccl" and result["cycles"] == 14
+    assert f"{common.CPU_ENV}=1" in result["command"]
+    for counts in result["special_cycles"].values():  # guard 3, 8, 13; learned 4, 9, 14; disagree 7
+        assert counts == {"guard": 3, "learned": 3, "disagree": 1,
+                          "disagree_member": 1}, counts
+    for name, per_rank in result["flat"].items():
+        assert all(v["ok"] is (None if name.startswith("device_free") else True)
+                   for v in per_rank.values()), (name, per_rank)
+    for counters in result["counters"].values():
+        assert counters["main"]["amem/total/auto_resumes"] == 3
+
+
+# --- trl_gpu.py -------------------------------------------------------------------
+@needs("trl")
+def test_trl_gpu_suspends_world_at_every_generation_on_the_fake_nccl(runs):
+    run = runs["trl"]
+    run.passed()
+    summary = run.json("trl.json")
+    assert summary["ok"], [r["checks"] for r in summary["ranks"]]
+    for rank in summary["ranks"]:
+        assert set(rank["not_judged_on_cpu"]) == {"amem_freed_ge_99pct_of_suspendable",
+                                                  "amem_independent_freed_ge_99pct"}
+        assert rank["checks"]["amem_world_suspended_every_generation"]
+        assert rank["checks"]["amem_metrics_in_trainer_logs"]
+        for name in ("amem", "amem_overlap"):
+            assert "libnccl-fake" in rank["runs"][name]["backend"]
+            assert [b["suspended"] for b in rank["runs"][name]["begins"]] == [["world"]] * 2
+
+
+# --- verl_gpu.py ------------------------------------------------------------------
+@needs("verl")
+def test_verl_gpu_worker_suspends_and_resumes_on_the_fake_nccl(runs):
+    run = runs["verl"]
+    run.passed()
+    summary = run.json("verl.json")
+    checks = summary["checks"]
+    assert summary["ok"] and summary["amem"] == "nccl", checks
+    assert checks["groups_suspended_every_step"] and checks["every_suspended_group_resumed"]
+    assert checks["amem_metrics_from_every_rank"] and checks["no_collective_on_a_suspended_group"]
+    assert summary["driver_merged_amem_metrics"]["amem/total/begins"] == 2
+    for rank in summary["ranks"]:
+        assert "libnccl-fake" in rank["amem_backend"]["description"]
+        assert "world" in rank["steps"][0]["amem_begin"]["suspended"]
+
+
+# --- megatron_gpu.py ---------------------------------------------------------------
+@needs("megatron")
+def test_megatron_gpu_hooks_suspend_the_training_groups_through_the_launcher(runs):
+    run = runs["megatron"]
+    run.passed()
+    summary = run.json("megatron_gpu.json")
+    assert summary["ok"] and summary["launcher"], summary
+    assert list(summary["configs"]) == ["separate"] and not summary["configs"]["separate"][
+        "failed_checks"]
+    for rank in (0, 1):
+        result = run.json(f"megatron_gpu.separate.rank{rank}.json")
+        assert result["via_launcher"] and result["ok"]
+        assert set(result["not_judged_on_cpu"]) == {"freed_ge_99pct_of_suspendable",
+                                                    "memory_back_after_end"}
+        for cycle in result["cycles"]:
+            assert cycle["checks"]["nccl_says_suspended_exactly_those"]
+            assert cycle["checks"]["every_training_group_idle"] and "world" in cycle["suspended"]
+
+
+# --- megatron_rl_gpu.py and megatron_matrix.py -----------------------------------------
+def megatron_rl_records(args):
+    """Rank scenario (tests.scenarios): megatron-core's parallel_state on gloo, the
+    adapter over the fake NCCL, the hooked engine of megatron_gpu.py for a few
+    rollouts; then megatron_rl_gpu.py writes its per-rank record, as it does
+    before Megatron's shutdown."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from tests.gpu import megatron_gpu, megatron_rl_gpu
+    from tests.scenarios import init
+
+    init()
+    common.bind_device()  # the torch.cuda stand-in the engine's suspend/resume calls
+    ps.initialize_model_parallel()
+    adapter = megatron_gpu.import_adapter()
+    controller = adapter.install(settings=adapter.Settings(enabled=True, backend="nccl"),
+                                 backend=common.stand_in_backend())
+    engine = megatron_gpu.make_engine(ProcessGroupCollection.use_mpu_process_groups())
+    for _ in range(args["rollouts"]):
+        engine.resume()
+        engine.suspend()
+        controller.policy.wait()
+    megatron_rl_gpu.write_record(args["prefix"])
+    return {"reports": len(controller.reports)}
+
+
+def recorded_with_fresh_amem(fresh_prefix: str, folder: str, name: str = "amem") -> str:
+    """The recorded GPU run's per-rank records with their "amem" part (what the
+    package reported) replaced by this machine's, from the current package."""
+    os.makedirs(folder, exist_ok=True)
+    for rank in (0, 1):
+        with open(os.path.join(RECORDED_MEGATRON, f"amem.rank{rank}.json")) as f:
+            record = json.load(f)
+        with open(f"{fresh_prefix}.rank{rank}.json") as f:
+            record["amem"] = json.load(f)["amem"]
+        with open(os.path.join(folder, f"{name}.rank{rank}.json"), "w") as f:
+            json.dump(record, f)
+    return os.path.join(folder, name)
+
+
+def recorded(folder: str, name: str) -> str:
+    os.makedirs(folder, exist_ok=True)
+    for path in glob.glob(os.path.join(RECORDED_MEGATRON, f"{name}.rank*.json")):
+        shutil.copy(path, folder)
+    return os.path.join(folder, name)
+
+
+@needs("megatron_rl_records")
+def test_megatron_rl_gpu_record_merges_with_the_recorded_runs(runs, tmp_path):
+    from tests.gpu import megatron_rl_gpu
+
+    run = runs["megatron_rl_records"]
+    run.passed()
+    prefix = os.path.join(run.out, "amem")
+    for rank in (0, 1):
+        record = run.json(f"amem.rank{rank}.json")
+        assert record["rank"] == rank and not record["errors"], record["errors"]
+        amem = record["amem"]
+        assert amem["installed"] and "inference: keep" in amem["rollout_groups"]
+        begins = [t for t in amem["transitions"] if t["kind"] == "begin"]
+        assert len(begins) == MEGATRON_RL_ROLLOUTS and all("world" in t["suspended"]
+                                                          for t in begins)
+        assert all(t["nccl_bytes"] > 0 and t["groups"] for t in begins)
+        assert amem["metrics"]["amem/total/auto_resumes"] == 0
+
+    summary = megatron_rl_gpu.merge(recorded(str(tmp_path), "baseline"),
+                                    recorded_with_fresh_amem(prefix, str(tmp_path)),
+                                    recorded(str(tmp_path), "control"),
+                                    str(tmp_path / "summary.json"))
+    checks = summary["checks"]
+    assert checks["every rank of every run wrote its record (no hang, no crash)"]
+    assert checks["groups were suspended at every rollout"]
+    assert checks["no collective reached a suspended group (guard resumes 0)"]
+    # the free-memory check weighs GPU readings against the fake's bytes: computed, not judged
+    assert summary["gpu_suspended_nccl_bytes"] > 0 and summary["median_free_gain_bytes"]
+
+
+@needs("megatron_rl_records")
+def test_megatron_matrix_summarises_the_current_record(runs, tmp_path):
+    from tests.gpu import megatron_matrix
+
+    run = runs["megatron_rl_records"]
+    run.passed()
+    cell = tmp_path / "do_ogr_opg"
+    recorded(str(cell), "baseline")
+    recorded_with_fresh_amem(os.path.join(run.out, "amem"), str(cell))
+    outcomes = {side: {"name": f"do_ogr_opg/{side}", "rc": 0, "hung": False}
+                for side in ("baseline", "amem")}
+    summary = megatron_matrix.summarise("do_ogr_opg", outcomes, str(tmp_path))
+    amem = summary["runs"]["amem"]
+    assert summary["ok"] and summary["verdict"].startswith("pass: no crash"), summary
+    assert amem["guard_resumes"] == 0 and len(amem["suspended_per_rollout"]) == \
+        MEGATRON_RL_ROLLOUTS and "world" in amem["suspended_per_rollout"][0]
+    assert "inference: keep" in amem["rollout_groups"]
+
+
+def test_every_rl_amem_flag_the_drivers_pass_is_the_adapters():
+    """The launchers' command lines (megatron_gpu.py, megatron_runs.py, the matrix
+    cells, megatron_rl_gpu.sh) against the adapter's own parser."""
+    from amem_callbacks.adapters.megatron.args import launcher_parser, settings_from_args
+
+    named = set()
+    for path in glob.glob(os.path.join(ROOT, "tests", "gpu", "*")):
+        if path.endswith((".py", ".sh")):
+            named |= set(re.findall(r"--rl-amem-[a-z0-9-]+", open(path).read()))
+    assert {"--rl-amem-offload-during-rollout", "--rl-amem-backend",
+            "--rl-amem-grow-kv-cache"} <= named
+    defined = {option for action in launcher_parser()._actions for option in
+               action.option_strings}
+    assert named <= defined, named - defined
+
+    from tests.gpu import megatron_gpu, megatron_matrix, megatron_runs
+
+    for flags in (megatron_gpu.FLAGS, megatron_runs.AMEM_FLAGS,
+                  *(megatron_runs.AMEM_FLAGS + cell[2] for cell in megatron_matrix.CELLS.values())):
+        ours, rest = launcher_parser().parse_known_args(list(flags))
+        settings = settings_from_args(ours)
+        assert not rest and settings.enabled and settings.backend == "nccl", flags
+
+
+# --- usage lines ---------------------------------------------------------------------
+PATH = re.compile(r"(?<![\w./$-])((?:tests|results|docs|experiments|examples|adapters|"
+                  r"amem_callbacks)/[\w./*-]*[\w*])")
+
+
+def usage_texts():
+    """Each driver's module docstring (or a shell script's comments), and
+    results/README.md: where the commands people copy are written."""
+    for path in sorted(glob.glob(os.path.join(ROOT, "tests", "gpu", "*"))):
+        text = open(path).read()
+        if path.endswith(".py"):
+            yield path, ast.get_docstring(ast.parse(text)) or ""
+        elif path.endswith(".sh"):
+            yield path, "\n".join(line for line in text.splitlines() if line.startswith("#"))
+    yield os.path.join(ROOT, "results", "README.md"), open(
+        os.path.join(ROOT, "results", "README.md")).read()
+
+
+def test_usage_lines_name_paths_that_exist():
+    missing = [(os.path.relpath(path, ROOT), named) for path, text in usage_texts()
+               for named in PATH.findall(text) if not glob.glob(os.path.join(ROOT, named))]
+    assert not missing, missing
