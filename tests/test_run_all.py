@@ -3,6 +3,7 @@ a skipped suite is not a pass, a non-zero exit fails whatever the JSON says,
 and the exit status tells failed, skipped and passed apart."""
 
 import json
+import os
 import subprocess
 
 import pytest
@@ -102,3 +103,20 @@ def test_help_documents_the_exit_status_and_the_ranks_rule(capsys):
     with pytest.raises(SystemExit):
         run_all.main(["--out", "x", "--ranks", "1"])
     assert "a whole number of ranks >= 2" in capsys.readouterr().err
+
+
+def test_every_suite_names_a_script_here_and_flags_the_package_takes(tmp_path):
+    """On a GPU host a moved script or a renamed tool flag fails its suite after
+    minutes of set-up; here it fails at once, naming the suite."""
+    from amem_callbacks.tools.cli import build_parser
+
+    for name, (command, _needs, _result) in run_all.suites(2, str(tmp_path), 3).items():
+        if command[1:3] == ["-m", "amem_callbacks.tools.cli"]:
+            try:
+                build_parser().parse_args(command[3:])
+            except SystemExit:  # argparse has printed why
+                pytest.fail(f"suite {name}: amem-callbacks refuses {command[3:]}")
+        else:
+            scripts = [arg for arg in command if arg.startswith("tests/")]
+            assert scripts and all(os.path.isfile(os.path.join(run_all.ROOT, s))
+                                   for s in scripts), (name, command)
