@@ -13,18 +13,26 @@ variable :data:`ENV` (comma separated) before it runs the scenario:
     A resume is skipped: ``Transitions._resume`` does nothing for the group
     named NAME (``end()`` and the guard's resumes both run through it), so that
     group stays suspended while the policy believes it resumed.
+``rename-view-field:OLD=NEW``
+    A field of the public ``GroupView`` (what ``OffloadPolicy.groups()`` and
+    ``view()`` return) is renamed from OLD to NEW, in the class and where the
+    engine builds it: what a rename in the package leaves for a caller that
+    still reads OLD. Applied by tests/gpu/common.py in the GPU scripts' CPU mode;
+    tests/test_mutations.py shows the CPU run of tests/gpu/core_gpu.py then fails
+    on the read of OLD, as it would have failed on every GPU host.
 
-Both are written against the engine's methods, not the guard's internals, so
-they keep working while the guard is rewritten.
+The first two are written against the engine's methods, not the guard's
+internals, so they keep working while the guard is rewritten.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
 ENV = "AMEM_TEST_MUTATE"
-KNOWN = ("guard-off", "skip-resume")
+KNOWN = ("guard-off", "skip-resume", "rename-view-field")
 
 
 def apply(spec: str) -> list:
@@ -50,9 +58,40 @@ def apply(spec: str) -> list:
                 return _original(self, state, rep)
 
             transitions.Transitions._resume = _resume
+        elif kind == "rename-view-field":
+            old, _, new = arg.partition("=")
+            if not (old and new):
+                raise ValueError("rename-view-field needs OLD=NEW: rename-view-field:a=b")
+            _rename_view_field(old, new)
         else:
             raise ValueError(f"unknown mutation {item!r}; known: {', '.join(KNOWN)}")
         applied.append(item)
     sys.stderr.write(f"[rank {os.environ.get('RANK', '?')}] MUTATION applied: "
                      f"{', '.join(applied)}\n")
     return applied
+
+
+def _rename_view_field(old: str, new: str) -> None:
+    """GroupView with ``old`` called ``new``, everywhere the package names the class."""
+    from amem_callbacks import report, transitions
+
+    original = report.GroupView
+    fields = [(new if f.name == old else f.name, f.type, dataclasses.field(default=f.default)
+               if f.default is not dataclasses.MISSING else dataclasses.field())
+              for f in dataclasses.fields(original)]
+    if new not in {name for name, _, _ in fields}:
+        raise ValueError(f"GroupView has no field {old!r}")
+
+    def as_dict(self):  # the original's reads ``old``: this one reads what is there
+        return {name: str(value) if name == "status" else value
+                for name, value in dataclasses.asdict(self).items()}
+
+    renamed = dataclasses.make_dataclass("GroupView", fields, frozen=True,
+                                         namespace={"as_dict": as_dict,
+                                                    "__doc__": original.__doc__})
+
+    def build(**values):  # the engine's constructor call, with the new name
+        return renamed(**{new if name == old else name: value for name, value in values.items()})
+
+    report.GroupView = renamed
+    transitions.GroupView = build

@@ -1,16 +1,23 @@
 """Mutation check: with the fake NCCL's tripwire, the suite turns red when the
-guard lets a call through or when a resume is skipped.
+guard lets a call through or when a resume is skipped; and the GPU drivers' CPU
+runs turn red when the package renames what a driver reads.
 
 Each mutation (tests/mutations.py) is applied inside the rank processes by
-``python -m tests.scenarios`` (environment variable ``AMEM_TEST_MUTATE``);
-the package has no hook for it. Without a mutation the same scenarios pass.
+``python -m tests.scenarios``, or by tests/gpu/common.py in the drivers' CPU
+mode (environment variable ``AMEM_TEST_MUTATE``); the package has no hook for
+it. Without a mutation the same scenarios and drivers pass
+(tests/test_gpu_drivers_on_cpu.py).
 """
+
+import os
+import re
 
 import pytest
 
 from tests.fake_nccl.tripwire import EXIT_CODE, MARKER
 from tests.harness import run_ranks
 from tests.mutations import ENV
+from tests.test_gpu_drivers_on_cpu import start_core
 
 REPRESENTATIVE = "tests.scenarios_fake_nccl:representative"
 
@@ -63,3 +70,21 @@ def test_the_representative_scenario_dies_under_each_mutation(mutation, group):
 ])
 def test_existing_scenarios_of_the_suite_turn_red_too(scenario, args, mutation, group):
     assert_killed_on(run(scenario, mutation, **args), mutation, group)
+
+
+def test_core_gpu_on_cpu_fails_when_the_package_renames_a_view_field(tmp_path):
+    """The bug CI missed: core_gpu.py read a name the package no longer had, and
+    failed on every GPU host. Renamed here in the package (the engine builds
+    GroupView with the new name), its CPU run fails on the read of the old one."""
+    mutation = "rename-view-field:nccl_suspended=nccl_reports_suspended"
+    run = start_core(str(tmp_path), mutation=mutation)
+    codes = run.wait()
+    assert not run.hung and all(code != 0 for code in codes), (codes, run.output())
+    for log in run.logs:
+        text = open(log, errors="replace").read()
+        assert f"MUTATION applied: {mutation}" in text, text[-3000:]
+    text = run.output()
+    error = "AttributeError: 'GroupView' object has no attribute 'nccl_suspended'"
+    assert error in text, text
+    frames = re.findall(r'File "([^"]+)", line \d+', text.split(error)[0])
+    assert frames[-1].endswith(os.path.join("tests", "gpu", "core_gpu.py")), text  # the read
