@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import ast
 import glob
+import importlib.util
+import inspect
 import json
 import os
 import re
@@ -277,6 +279,20 @@ def test_every_reliability_case_runs_on_cpu_or_says_why_not():
     assert set(chosen) | set(RELIABILITY_GPU_ONLY) == set(reliability_gpu.CASES)
 
 
+def test_what_the_gpu_only_reliability_cases_read_is_still_there(fake_nccl_dir):
+    """old_nccl and amem_unusable cannot run here; the package names they use can
+    be read: a library's version and suspend symbols (on the fake's build of an
+    older NCCL) and the amem backend's library_path option."""
+    from amem_callbacks.nccl_library import SUSPEND_MIN_VERSION, NcclLibrary
+    from amem_callbacks.options import OffloadOptions
+    from tests.fake_nccl import build
+
+    old = NcclLibrary.open(build("old", fake_nccl_dir))
+    assert not (old.has_suspend and old.version >= SUSPEND_MIN_VERSION) and old.version_str
+    OffloadOptions(backend="amem",
+                   backend_options={"amem": {"library_path": "/nonexistent/amem/libnccl.so.2"}})
+
+
 @needs(*RELIABILITY)
 @pytest.mark.parametrize("name", list(RELIABILITY))
 def test_reliability_gpu_cases_hold_on_the_fake_nccl(runs, name):
@@ -461,15 +477,17 @@ def test_every_rl_amem_flag_the_drivers_pass_is_the_adapters():
     cells, megatron_rl_gpu.sh) against the adapter's own parser."""
     from amem_callbacks.adapters.megatron.args import launcher_parser, settings_from_args
 
+    flag = re.compile(r"--rl-amem-[a-z0-9-]+")
     named = set()
     for path in glob.glob(os.path.join(ROOT, "tests", "gpu", "*")):
         if path.endswith((".py", ".sh")):
-            named |= set(re.findall(r"--rl-amem-[a-z0-9-]+", open(path).read()))
+            named |= set(flag.findall(open(path).read()))
     assert {"--rl-amem-offload-during-rollout", "--rl-amem-backend",
             "--rl-amem-grow-kv-cache"} <= named
-    defined = {option for action in launcher_parser()._actions for option in
-               action.option_strings}
+    defined = set(flag.findall(launcher_parser().format_help()))
     assert named <= defined, named - defined
+    # the launcher the command lines name (megatron_runs.command, megatron_gpu.main)
+    assert importlib.util.find_spec("amem_callbacks.adapters.megatron.__main__")
 
     from tests.gpu import megatron_gpu, megatron_matrix, megatron_runs
 
@@ -478,6 +496,31 @@ def test_every_rl_amem_flag_the_drivers_pass_is_the_adapters():
         ours, rest = launcher_parser().parse_known_args(list(flags))
         settings = settings_from_args(ours)
         assert not rest and settings.enabled and settings.backend == "nccl", flags
+
+
+def test_megatron_rl_gpu_wraps_megatron_the_way_the_package_patching_takes(monkeypatch):
+    """Its probes wrap megatron.rl and Megatron-LM's training, which CI lacks:
+    each call of the package's Patches.wrap and wrapper in it must still fit
+    their signatures; and its GPU mapping runs here."""
+    from amem_callbacks.patching import Patches, wrapper
+    from tests.gpu import megatron_rl_gpu
+
+    takes = {"wrap": inspect.signature(Patches.wrap), "wrapper": inspect.signature(wrapper)}
+    calls = {"wrap": 0, "wrapper": 0}
+    for node in ast.walk(ast.parse(open(megatron_rl_gpu.__file__).read())):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) and isinstance(
+            func.value, ast.Name) and func.value.id == "_patches" else getattr(func, "id", None)
+        if name in takes:
+            calls[name] += 1
+            bound = [None] * (len(node.args) + (name == "wrap"))  # self, then the arguments
+            takes[name].bind(*bound, **{k.arg: None for k in node.keywords})  # TypeError: no
+    assert calls["wrap"] >= 6 and calls["wrapper"] >= 1, calls
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    megatron_rl_gpu.share_the_gpu()  # the package's local_device: no GPU here, device 0
+    assert os.environ["LOCAL_RANK"] == "0"
 
 
 # --- usage lines ---------------------------------------------------------------------
