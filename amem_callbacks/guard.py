@@ -38,6 +38,8 @@ import functools
 import threading
 from typing import Protocol
 
+from .patching import MARK
+
 
 class CallKind(str, enum.Enum):
     """What a guarded call does to its group."""
@@ -83,8 +85,8 @@ GUARDED_METHODS = {
 #: be split from the default group's communicator, and a destroyed group must
 #: never be resumed later. No torch code compares these by identity.
 GUARDED_FUNCTIONS = {
-    "new_group": (CallKind.CREATE, None),
-    "destroy_process_group": (CallKind.DESTROY, "group"),
+    "new_group": CallKind.CREATE,
+    "destroy_process_group": CallKind.DESTROY,  # its group: the "group" argument, or all
 }
 
 # process group -> its GroupOwner. Empty whenever nothing is suspended: the fast path.
@@ -140,7 +142,7 @@ def _method_wrapper(name: str, kind: CallKind, original):
                     owner.before_use(self, kind, name)
             return original(self, *args, **kwargs)
     guarded.__name__ = guarded.__qualname__ = name
-    guarded.__amem_original__ = original
+    setattr(guarded, MARK, original)  # patching's marker: a wrapper, never wrapped twice
     return guarded
 
 
@@ -161,7 +163,7 @@ def _function_wrapper(name: str, kind: CallKind, original):
                         owner.forget(target)
         return original(*args, **kwargs)
 
-    guarded.__amem_original__ = original
+    setattr(guarded, MARK, original)  # patching's marker: a wrapper, never wrapped twice
     return guarded
 
 
@@ -187,7 +189,7 @@ def install() -> None:
             wrapper = _method_wrapper(name, kind, getattr(cls, name))
             setattr(cls, name, wrapper)
             _installed.append((cls, name, raw, wrapper))
-        for name, (kind, _param) in GUARDED_FUNCTIONS.items():
+        for name, kind in GUARDED_FUNCTIONS.items():
             fn = getattr(c10d, name, None)
             if fn is None:
                 continue

@@ -32,7 +32,6 @@ STAT_PERSIST = 2
 STAT_TOTAL = 3
 
 NCCL_SUCCESS = 0
-NCCL_INVALID_USAGE = 5
 
 #: First NCCL release with ncclCommSuspend/Resume/MemStats.
 SUSPEND_MIN_VERSION = (2, 29, 7)
@@ -125,7 +124,6 @@ class NcclLibrary:
             self._fns[fn.name] = cfn
         raw = ctypes.c_int()
         self._check(self._fns["ncclGetVersion"](ctypes.byref(raw)), "ncclGetVersion")
-        self.version_code = raw.value
         self.version = version_tuple(raw.value)
 
     @classmethod

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import threading
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 from .states import Kind, Outcome, Status
@@ -196,7 +197,12 @@ class TransitionReport:
 
 @dataclass
 class Counters:
-    """Cumulative figures over the life of a policy."""
+    """Cumulative figures over the life of a policy.
+
+    Written from the caller's thread and from the transition worker's pool at
+    once (NCCL calls release the GIL, so the threads really interleave): every
+    change goes through :meth:`add` or :meth:`raise_to`, under one lock, since
+    ``counters.x += 1`` from two threads can lose a count."""
 
     begins: int = 0
     ends: int = 0
@@ -212,9 +218,22 @@ class Counters:
     transition_seconds: float = 0.0
     last_device_freed_bytes: int = 0
     max_device_freed_bytes: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, name: str, amount=1) -> None:
+        with self._lock:
+            setattr(self, name, getattr(self, name) + amount)
+
+    def record_freed(self, nbytes: int) -> None:
+        """The device bytes one begin freed: the last, and the most so far."""
+        with self._lock:
+            self.last_device_freed_bytes = nbytes
+            self.max_device_freed_bytes = max(self.max_device_freed_bytes, nbytes)
 
     def as_dict(self, prefix: str = "amem/") -> dict:
-        return {f"{prefix}total/{name}": value for name, value in self.__dict__.items()}
+        with self._lock:
+            return {f"{prefix}total/{f.name}": getattr(self, f.name) for f in fields(self)
+                    if not f.name.startswith("_")}
 
 
 def write_scalars(metrics: dict, tensorboard=None, wandb=None, step: int = 0) -> None:

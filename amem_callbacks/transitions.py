@@ -67,15 +67,49 @@ class GroupState:
                 "a peer rank is probably missing, dead or in a different phase. Stop the job.")
 
 
-def group_timeout_s(group, default_s: float) -> float:
-    """The c10d timeout of a group's NCCL backend, else ``default_s``."""
-    try:
-        import torch
+#: where a group's own c10d timeout cannot be read: torch's default for a process
+#: group (30 min), the bound a collective on that group would have had anyway
+FALLBACK_TIMEOUT_S = 1800.0
+_warned_timeout: list = []
 
-        backend = group._get_backend(torch.device("cuda"))
-        return backend.options._timeout.total_seconds()
-    except Exception:
-        return default_s
+
+@dataclass(frozen=True)
+class WorkItem:
+    """One group's operation in a batch: the group's state, the report row it
+    fills, and the event this operation sets when it has run (a later operation
+    queued on the group gets a new ``state.finished``; this one keeps its own)."""
+
+    state: GroupState
+    report: GroupReport
+    done: threading.Event
+
+
+def group_timeout_s(group) -> float:
+    """The c10d timeout of a group's backend (NCCL's; gloo's for the CPU
+    stand-in): a transition on the group is bounded by what a collective on it
+    would be.
+
+    torch has no public getter for it, so this reads the backend's
+    ``options._timeout``; if torch renames it, one warning says the fallback
+    and how to set the bound (``timeout_s=``) instead of every timeout quietly
+    becoming 30 minutes."""
+    import torch
+
+    for device in ("cuda", "cpu"):
+        try:
+            backend = group._get_backend(torch.device(device))
+        except Exception:  # no backend for this device type on the group
+            continue
+        try:
+            return backend.options._timeout.total_seconds()
+        except AttributeError as exc:  # torch moved the private field: say so once
+            if not _warned_timeout:
+                _warned_timeout.append(True)
+                logger.warning("amem_callbacks: cannot read a group's c10d timeout (%s); "
+                               "transitions are bounded by %.0f s instead. Set timeout_s= "
+                               "to choose the bound", exc, FALLBACK_TIMEOUT_S)
+            break
+    return FALLBACK_TIMEOUT_S
 
 
 class Transitions:
@@ -108,10 +142,10 @@ class Transitions:
         report.agree_seconds = plan.agree_seconds
         for info, reason in plan.kept:
             report.groups.append(_group_report(info, Outcome.KEPT, reason))
-        work = [(s, _group_report(s.info, Outcome.SUSPENDED, suspendable=s.suspendable,
-                                  path=self.backend.path_of(s.info.handle)), s.finished)
+        work = [WorkItem(s, _group_report(s.info, Outcome.SUSPENDED, suspendable=s.suspendable,
+                                          path=self.backend.path_of(s.info.handle)), s.finished)
                 for s in self._new_states(plan)]
-        report.planned = [s.info.name for s, _r, _d in work]
+        report.planned = [item.state.info.name for item in work]
         must_wait = self._note_gil(report, work)
         with self._progress:
             self._freed_bytes, self._begin_running = 0, True
@@ -141,27 +175,26 @@ class Transitions:
                 self._begin_running = False
             self._progress.notify_all()
 
-    def _note_gil(self, report: TransitionReport, work) -> None:
+    def _note_gil(self, report: TransitionReport, work) -> bool:
         """Groups reachable only through torch's GIL-holding methods: no thread
         of this process runs while one of their calls waits in NCCL, so worker
         threads and overlap would only stall; worse, a worker holding the GIL in
         a barrier could keep this rank from issuing the very collective a peer's
         barrier waits for. Their batch runs one call at a time and the caller
         waits for it. Returns whether it must."""
-        held = [s.info.name for s, _r, _d in work if self.backend.holds_gil(s.info.handle)]
+        held = [item.state.info for item in work if self.backend.holds_gil(item.state.info.handle)]
         if not held:
             return False
         report.gil_held = True
         if not self._warned_gil:
             self._warned_gil = True
-            why = next(s.info.handle.why for s, _r, _d in work
-                       if self.backend.holds_gil(s.info.handle))
+            why = held[0].handle.why
             logger.warning("amem_callbacks: group(s) %s are reached only through torch's own "
                            "suspend()/resume(), which hold the GIL (%s): their transitions run "
                            "one at a time and begin/end wait for them; overlap does not apply. "
                            "Fix: a torch whose NCCL backend gives its communicator pointer "
                            "(the default 'nccl' of torch 2.11-2.15; not torch 2.14's opt-in "
-                           "nccl2)", held, why)
+                           "nccl2)", [info.name for info in held], why)
         return True
 
     def _new_states(self, plan: AgreedPlan) -> list:
@@ -172,7 +205,7 @@ class Transitions:
                            info.memory.suspendable if info.memory else None)
             state = GroupState(info=info, covers=item.covers, suspendable=suspendable,
                                first=item.first,
-                               timeout_s=self.timeout_s or group_timeout_s(info.group, 1800.0))
+                               timeout_s=self.timeout_s or group_timeout_s(info.group))
             self.states[info.key] = state
             if self.guarded:
                 for group in item.covers:
@@ -201,7 +234,7 @@ class Transitions:
             for tier in tiers:
                 if self.workers <= 1 or len(tier) <= 1 or report.gil_held:
                     for item in tier:
-                        self._run_op(op, *item)
+                        self._run_op(op, item)
                 else:
                     self._run_pool(op, tier)
             close(report, work)
@@ -212,16 +245,15 @@ class Transitions:
         self._measure(report, "after")
         return self._finish(report)
 
-    def _run_op(self, op: Callable, state: GroupState, rep: GroupReport,
-                done: threading.Event) -> None:
+    def _run_op(self, op: Callable, item: WorkItem) -> None:
         """Run one operation and signal *its own* event: a later operation may
         already be queued on the group with a newer ``state.finished``."""
         start = time.monotonic()
         try:
-            op(state, rep)
+            op(item.state, item.report)
         finally:
-            rep.seconds = time.monotonic() - start
-            done.set()
+            item.report.seconds = time.monotonic() - start
+            item.done.set()
 
     def _run_pool(self, op: Callable, work) -> None:
         queue = iter(work)
@@ -234,7 +266,7 @@ class Transitions:
                     item = next(queue, None)
                 if item is None:
                     return
-                self._run_op(op, *item)
+                self._run_op(op, item)
 
         threads = [threading.Thread(target=take_in_key_order, name=f"amem-transition-{i}",
                                     daemon=True) for i in range(min(self.workers, len(work)))]
@@ -253,13 +285,11 @@ class Transitions:
             Outcome.FAILED)]
         report.total_seconds = report.agree_seconds + sum(g.seconds for g in moved)
         report.wall_seconds = time.monotonic() - report.started
-        self.counters.transition_seconds += report.total_seconds
+        self.counters.add("transition_seconds", report.total_seconds)
         # On a shared GPU the reading is the whole device's, not this rank's: not counted.
         if (report.kind is Kind.BEGIN and report.device_freed_bytes is not None
                 and report.device_shared_by <= 1):
-            self.counters.last_device_freed_bytes = report.device_freed_bytes
-            self.counters.max_device_freed_bytes = max(self.counters.max_device_freed_bytes,
-                                                       report.device_freed_bytes)
+            self.counters.record_freed(report.device_freed_bytes)
         report.pending = False
         logger.info("amem_callbacks: %s", report.summary())
         return report
@@ -271,14 +301,14 @@ class Transitions:
             state.status = Status.SUSPENDED
             if self.backend.dry_run:
                 rep.action = Outcome.WOULD_SUSPEND
-                self.counters.would_suspends += 1
+                self.counters.add("would_suspends")
             else:
                 rep.action = Outcome.SUSPENDED
-                self.counters.group_suspends += 1
+                self.counters.add("group_suspends")
                 self._freed(state.suspendable or 0)
         except Exception as exc:
             rep.action, rep.error = Outcome.FAILED, str(exc)
-            self.counters.failures += 1
+            self.counters.add("failures")
             logger.error("amem_callbacks: suspending group %r failed, it stays active: %s",
                          state.info.name, exc)
             memory = self._memory(state)
@@ -307,24 +337,25 @@ class Transitions:
                 try:
                     self.backend.resume(state.info.handle)
                 except Exception as second:
-                    self.counters.failures += 1
+                    self.counters.add("failures")
                     rep.action = Outcome.FAILED
                     self._mark_broken(state, rep, f"resume failed twice: {first}; {second}")
                     return
         if self.backend.dry_run:
-            self.counters.would_resumes += 1
+            self.counters.add("would_resumes")
             if rep.action is Outcome.RESUMED:
                 rep.action = Outcome.WOULD_RESUME
         else:
-            self.counters.group_resumes += 1
+            self.counters.add("group_resumes")
         self._mark_active(state)
 
     def _peer_outcomes(self, work, succeeded: Callable, what: str):
         """Collective over each group's members: share whether this rank's
         operation succeeded; yield ``(state, report, failed_ranks)`` per group."""
         outcomes = self.agreement.exchange(
-            {s.info.key: (s.info.ranks, "ok" if succeeded(s) else "failed") for s, _r, _d in work})
-        for state, rep, _done in work:
+            {i.state.info.key: (i.state.info.ranks, "ok" if succeeded(i.state) else "failed")
+             for i in work})
+        for state, rep in ((i.state, i.report) for i in work):
             peers = outcomes.get(state.info.key, {})
             missing = [r for r, v in peers.items() if v is None]
             if missing:  # in the report too: the next call on this group may fail or hang
@@ -357,13 +388,13 @@ class Transitions:
         for state in states:
             state.resume_queued = True
             state.finished = threading.Event()
-            work.append((state, _group_report(state.info, Outcome.RESUMED,
-                                              suspendable=state.suspendable,
-                                              path=self.backend.path_of(state.info.handle)),
-                         state.finished))
+            work.append(WorkItem(state, _group_report(state.info, Outcome.RESUMED,
+                                                      suspendable=state.suspendable,
+                                                      path=self.backend.path_of(state.info.handle)),
+                                 state.finished))
         must_wait = self._note_gil(report, work)
-        report.planned = [s.info.name for s, _r, _d in work]
-        tiers = [[w for w in work if w[0].first], [w for w in work if not w[0].first]]
+        report.planned = [item.state.info.name for item in work]
+        tiers = [[i for i in work if i.state.first], [i for i in work if not i.state.first]]
         task = self.executor.submit(lambda: self._batch(report, [t for t in tiers if t],
                                                         self._resume, self._close_end),
                                     "end transition")
@@ -417,7 +448,7 @@ class Transitions:
 
     def longest_timeout_s(self) -> float:
         """A batch may take as long as its slowest group's c10d timeout."""
-        return max((s.timeout_s for s in self.states.values()), default=self.timeout_s or 1800.0)
+        return max((s.timeout_s for s in self.states.values()), default=self.timeout_s or FALLBACK_TIMEOUT_S)
 
     # --- the public view (OffloadPolicy.groups / view) ------------------------
     def views(self, read_nccl: bool = False) -> tuple:
@@ -464,7 +495,7 @@ class Transitions:
         try:
             self._make_usable(state, group, kind, call)
         finally:
-            self.counters.guard_wait_seconds += time.monotonic() - began
+            self.counters.add("guard_wait_seconds", time.monotonic() - began)
 
     def _make_usable(self, state: GroupState, group, kind: guard.CallKind, call: str) -> None:
         name = state.info.name
@@ -502,11 +533,11 @@ class Transitions:
         state.finished = done = threading.Event()
         def resume_now():
             self._bind_device()
-            self._run_op(self._resume, state, rep, done)
+            self._run_op(self._resume, WorkItem(state, rep, done))
 
         task = self.executor.submit(resume_now, f"resume of {name!r}")
         task.wait(state.timeout_s)
-        self.counters.auto_resumes += 1
+        self.counters.add("auto_resumes")
         self.auto_resumed.append(rep)
         name_count = self._guard_resumes.get(state.info.key, (name, 0))
         self._guard_resumes[state.info.key] = (name, name_count[1] + 1)
