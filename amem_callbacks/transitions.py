@@ -60,11 +60,12 @@ class GroupState:
     #: resumed before the others at the end (agreed by its members)
     first: bool = False
 
-    def wait(self, what: str) -> None:
+    def wait(self, what: str, hint: str = "") -> None:
         if not self.finished.wait(self.timeout_s):
             raise TransitionTimeout(
                 f"{what} on group {self.info.name!r} did not finish within {self.timeout_s:g} s: "
-                "a peer rank is probably missing, dead or in a different phase. Stop the job.")
+                "a peer rank is probably missing, dead or in a different phase. Stop the job."
+                + (f" {hint}" if hint else ""))
 
 
 #: where a group's own c10d timeout cannot be read: torch's default for a process
@@ -82,6 +83,24 @@ class WorkItem:
     state: GroupState
     report: GroupReport
     done: threading.Event
+
+
+#: measured on one H200 (NCCL 2.30.7, 2 ranks): a suspend pins host memory for
+#: NCCL's backup of every suspended byte, about 0.7 s/GiB on a warm host; the
+#: first suspend after the host started took 16.4 s for 4.5 GiB (FIELD-NOTES §8, §9)
+WARM_SUSPEND_S_PER_GIB, COLD_SUSPEND_S_PER_GIB = 0.7, 16.4 / 4.5
+
+
+def slow_suspend_hint(nbytes: int, elapsed_s: float) -> str:
+    """Why a suspend may outlast a timeout chosen for a warm host, and the fix."""
+    gib = nbytes / 2**30
+    return (f"This rank's begin has been suspending {gib:.2f} GiB for {elapsed_s:.1f} s. NCCL "
+            f"copies every suspended byte to pinned host memory: about "
+            f"{WARM_SUSPEND_S_PER_GIB:g} s/GiB on a warm host, but the first suspend after a "
+            f"host starts can take {COLD_SUSPEND_S_PER_GIB:.1f} s/GiB (measured: 16.4 s for "
+            f"4.5 GiB) while the host's memory is still being mapped, here about "
+            f"{COLD_SUSPEND_S_PER_GIB * gib:.0f} s. If every rank is alive, raise timeout_s "
+            f"(or agree_timeout_s) above that.")
 
 
 def group_timeout_s(group) -> float:
@@ -135,6 +154,9 @@ class Transitions:
         self._progress = threading.Condition()
         self._freed_bytes = 0
         self._begin_running = False
+        # The running begin's start and bytes, for the slow-first-suspend hint.
+        self._begin_since: Optional[float] = None
+        self._begin_bytes = 0
 
     # --- begin -----------------------------------------------------------
     def begin(self, report: TransitionReport, plan: AgreedPlan) -> Submitted:
@@ -149,6 +171,8 @@ class Transitions:
         must_wait = self._note_gil(report, work)
         with self._progress:
             self._freed_bytes, self._begin_running = 0, True
+            self._begin_since = time.monotonic()
+            self._begin_bytes = sum(item.state.suspendable or 0 for item in work)
         task = self.executor.submit(lambda: self._batch(report, [work], self._suspend,
                                                         self._close_begin), "begin transition")
         return Submitted(task, must_wait)
@@ -164,7 +188,8 @@ class Transitions:
                     raise TransitionTimeout(
                         f"waiting for {nbytes / 2**20:.0f} MiB to be freed: only "
                         f"{self._freed_bytes / 2**20:.0f} MiB after {timeout_s:g} s; a peer "
-                        "rank is probably missing, dead or in a different phase.")
+                        "rank is probably missing, dead or in a different phase. "
+                        + self._suspend_hint_locked())
                 self._progress.wait(left)
             return self._freed_bytes
 
@@ -173,7 +198,19 @@ class Transitions:
             self._freed_bytes += nbytes
             if done:
                 self._begin_running = False
+                self._begin_since = None
             self._progress.notify_all()
+
+    def suspend_hint(self) -> str:
+        """For a timeout's message while a begin runs: a first suspend on a freshly
+        started host can be slow, and a timeout set for a warm one trips on it."""
+        with self._progress:
+            return self._suspend_hint_locked()
+
+    def _suspend_hint_locked(self) -> str:
+        if self._begin_since is None:
+            return ""
+        return slow_suspend_hint(self._begin_bytes, time.monotonic() - self._begin_since)
 
     def _note_gil(self, report: TransitionReport, work) -> bool:
         """Groups reachable only through torch's GIL-holding methods: no thread
@@ -361,6 +398,8 @@ class Transitions:
             if missing:  # in the report too: the next call on this group may fail or hang
                 rep.reason = (f"rank(s) {missing} did not report {what} it within "
                               f"{self.agreement.timeout_s:g} s (dead or late)")
+                if what == "suspending":  # late is likely on a freshly started host
+                    rep.reason += ". " + self.suspend_hint()
                 logger.warning("amem_callbacks: group %r: %s", state.info.name, rep.reason)
             yield state, rep, [r for r, v in peers.items() if v == "failed"]
 
@@ -479,7 +518,7 @@ class Transitions:
         """The group is being destroyed: never resume it later."""
         state = self._state_of(group)
         if state is not None:
-            state.wait("a pending transition")
+            state.wait("a pending transition", self.suspend_hint())
         guard.unwatch(group)
         if state is not None:
             state.covers = tuple(g for g in state.covers if g is not group)
@@ -522,7 +561,7 @@ class Transitions:
                 f"{call} on a subgroup while backend {self.backend.name!r} has paused the whole "
                 "process: only a call on the default group can resume it safely. Fix: call "
                 "end() first, or use backend='nccl' and keep this group.")
-        state.wait(f"{call} waiting for the suspend")
+        state.wait(f"{call} waiting for the suspend", self.suspend_hint())
         if state.status is not Status.SUSPENDED:
             return
         rep = _group_report(state.info, Outcome.RESUMED,
