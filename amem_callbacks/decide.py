@@ -13,7 +13,6 @@ skips leaves the others waiting in NCCL's barrier forever.
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -21,12 +20,12 @@ from typing import Optional
 from .agreement import (Agreement, reason_of, shared_rounds, suspend_details, verdict_of,
                         vote_keep, vote_suspend)
 from .groups import GroupInfo, discover
+from .log import logger
 from .memory import current_device, on_device
 from .placement import Placement, exchange
 from .plan import make_plan
 from .states import Verdict
 
-logger = logging.getLogger("amem_callbacks")
 
 PROCESS_KEY = "__process__"
 

@@ -16,6 +16,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from .log import logger
+
 #: left out of the freed bytes: vLLM checks free memory against its share at wake-up
 DEFAULT_MARGIN_BYTES = 512 * 2**20
 #: vLLM refuses 1.0; keep the suggestion below it
@@ -65,11 +67,9 @@ def vllm_headroom(setting: str, current: float, freed_bytes: int, total_bytes: i
 def tell(setting: str, current: Optional[float], report, device: Optional[int]):
     """The headroom a finished begin's ``report`` gives ``setting``, logged once by
     the adapter that asks (verl's worker, TRL's callback); None when unknown."""
-    import logging
-
     headroom = vllm_headroom(setting, current, freed_on_this_gpu(report), gpu_total_bytes(device))
     if headroom is not None:
-        logging.getLogger("amem_callbacks").info("amem_callbacks: headroom: %s", headroom.line())
+        logger.info("amem_callbacks: headroom: %s", headroom.line())
     return headroom
 
 

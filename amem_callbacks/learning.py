@@ -18,10 +18,9 @@ returns. ``OffloadPolicy.forget_learned()`` drops them after a layout change.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
-logger = logging.getLogger("amem_callbacks")
+from .log import logger
 
 
 @dataclass

@@ -11,7 +11,6 @@ only has local work left.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -22,11 +21,11 @@ from .decide import PROCESS_KEY, AgreedPlan, Setup
 from .errors import SuspendedGroupError, TransitionTimeout
 from .executor import SerialExecutor, Task
 from .groups import GroupInfo
+from .log import logger
 from .memory import device_free_bytes, host_rss_bytes
 from .report import Counters, GroupReport, GroupView, TransitionReport
 from .states import Kind, Outcome, Status
 
-logger = logging.getLogger("amem_callbacks")
 
 
 @dataclass(frozen=True)

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import importlib
-import logging
 
 from ..errors import BackendUnavailable
+from ..log import logger
 
-logger = logging.getLogger("amem_callbacks")
 
 #: name -> (module, class); ``auto`` tries them in this order, noop last.
 BACKENDS = {
