@@ -508,7 +508,63 @@ def loop_seam(args):
             "all_exact": all(exact(e.group, 5.0) for e in controller.rollout_groups.entries)}
 
 
-GROWABLE_CONTEXT = '''
+class GrowableContext:
+    """What the engine's resume/suspend and the KV growth read of a megatron-core 0.19
+    DynamicInferenceContext (0.19.2's own code runs in tests/test_kv_growth.py); the
+    0.16.1 engine's resume calls ``allocate_all_tensors``, which notes the size."""
+
+    REQUEST_ROUNDER = 4  # 0.19.2's (test_kv_growth checks the rule against its source)
+
+    def __init__(self, allocator_class, mode, blocks: int):
+        self.kv_block_allocator = allocator_class(self, blocks, 0)
+        self.kv_cache_management_mode = mode
+        self.block_size_bytes, self.block_size_tokens = 8 * MiB, 32
+        self.max_requests = (blocks - 1) // self.REQUEST_ROUNDER * self.REQUEST_ROUNDER
+        self.max_tokens, self.max_sequence_length, self.max_kv_block_count = 16384, 64, 2
+        self.use_cuda_graphs_for_non_decode_steps = True
+        self.config = type("Config", (), dict(
+            max_requests=None, num_cuda_graphs=None, cuda_graph_max_tokens=512,
+            cuda_graph_mixed_prefill_count=16, cuda_graph_all_prefills=False))()
+        self.total_request_count = self.paused_request_count = 0
+        self.allocations = []
+
+    def allocate_all_tensors(self, *, is_init):
+        self.allocations.append([self.kv_block_allocator.total_count, self.max_requests])
+
+    def deallocate_all_tensors(self):
+        pass
+
+    def reset(self):
+        pass
+
+
+class CUDAGraphBatchDimensionBuilder:
+    """Stands in for 0.19's builder (its real one runs in tests/test_kv_growth.py):
+    one decode graph per request count up to max_requests."""
+
+    @staticmethod
+    def generate_cuda_graph_batch_dimensions_list(*, tp_size, num_cuda_graphs,
+                                                   cuda_graph_max_tokens,
+                                                   cuda_graph_mixed_prefill_request_count,
+                                                   max_requests, max_tokens, max_sequence_length,
+                                                   use_cuda_graphs_for_non_decode_steps,
+                                                   num_speculative_tokens, sizing_distribution):
+        return [max_requests], None
+
+
+class SamplingController:
+    """The controller's sampling buffers, sized from the context's max_requests."""
+
+    vocab_size = 1000
+
+    def __init__(self, context):
+        self.context, self.sized_for = context, []
+
+    def _init_dynamic_sampling_tensors(self):
+        self.sized_for.append(self.context.max_requests)
+
+
+ALLOCATOR = '''
 import enum
 
 
@@ -523,51 +579,81 @@ class KVBlockAllocator:
     def __init__(self, context, total_count, paused_count, enable_prefix_caching=False,
                  prefix_caching_eviction_policy=None):
         self.context, self.total_count, self.paused_count = context, total_count, paused_count
+        self.total_avail = total_count - 1
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_caching_eviction_policy = prefix_caching_eviction_policy
 '''
 
 
 def kv_growth(args):
-    """--rl-amem-grow-kv-cache: each re-allocation gets the bytes this rank's begin
-    freed, the minimum over the model replica (TP 2: both ranks), minus the margin;
-    persist mode says once that nothing can grow."""
+    """--rl-amem-grow-kv-cache on one model replica of two ranks (TP 2): each rollout
+    starts at once on the launch-size cache; once both ranks' suspends are over, both
+    grow at the same engine step by the smaller of their freed bytes, less the margin,
+    with max_requests following; both reach the same decisions. Persist mode says once
+    that nothing can grow. Steps go through the hooked ``async_step``."""
+    import time
+    import types
+
+    from megatron.core.inference.engines import dynamic_engine
+
     from amem_callbacks.adapters.megatron import Settings, install
 
     namespace = {}
-    exec(textwrap.dedent(GROWABLE_CONTEXT), namespace)
+    exec(textwrap.dedent(ALLOCATOR), namespace)
+    demand = args.get("demand", 256)
+
+    async def step(self):  # stands in for the engine's step: as many requests as fit run
+        running = min(demand, self.context.max_requests)
+        self.context.total_request_count = running
+        self.waiting_request_ids = deque(range(demand - running))
+        time.sleep(args.get("step_s", 0.005))
+        return {"active_request_ids": list(range(running)), "finished_request_records": []}
+
+    dynamic_engine.DynamicInferenceEngine.async_step = step  # the hooks wrap this one
+
+    class Engine(cpu_engine_class()):  # the requests a suspend hands to the resume
+        def get_request(self, request_id):
+            return types.SimpleNamespace(request_id=request_id, remaining_prompt_tokens=[0])
+
+        def _add_request(self, request):
+            self.waiting_request_ids.append(request.request_id)
+
     init_megatron(args)
     # the ranks free different amounts: the agreement takes the smaller
     fake = FakeNccl(default_mib=480 if dist.get_rank() == 0 else 384)
     settings = Settings(enabled=True, grow_kv_cache=True, kv_margin_gb=args["margin_gb"])
     controller = install(settings=settings, backend=fake.backend(), agree_timeout_s=20,
                          timeout_s=30)
-    engine = make_engine()
-    context = StubContext()
-    mode = namespace["KVCacheManagementMode"](args["mode"])
-    allocation = {}
-
-    def allocate_all_tensors(*, is_init):  # 0.16.1's engine calls this at resume
-        allocation["blocks"] = context.kv_block_allocator.total_count
-        StubContext.allocate_all_tensors(context, is_init=is_init)
-
-    context.allocate_all_tensors = allocate_all_tensors
-    context.kv_block_allocator = namespace["KVBlockAllocator"](context, 100, 0)
-    context.kv_cache_management_mode = mode
-    context.block_size_bytes = 8 * MiB
-    context.block_size_tokens = 256
-    context.max_requests = 96
-    engine.context = context
+    engine = make_engine(cls=Engine)
+    engine.context = GrowableContext(namespace["KVBlockAllocator"],
+                                     namespace["KVCacheManagementMode"](args["mode"]), 100)
+    engine.controller = SamplingController(engine.context)
     out = {"rollouts": []}
-    for _ in range(2):
+    for rollout in range(args.get("rollouts", 3)):
         engine.resume()
         drain(engine)
-        report = controller.kv_reports[-1] if controller.kv_reports else None
-        out["rollouts"].append({"allocated_blocks": allocation.get("blocks"),
-                                "report": None if report is None else report.as_dict(),
-                                "summary": None if report is None else report.summary()})
+        resumed = controller.session.freed()  # what the resume left running
+        steps = 0  # on a busy CPU the suspends may outlast the steps: step until grown
+        while steps < args.get("steps", 120) or (controller._growth.waiting and steps < 5000):
+            engine._loop.run_until_complete(engine.async_step())
+            steps += 1
+        engine.waiting_request_ids.clear()  # every request done: the rollout is over
         engine.suspend()
         controller.policy.wait()
+        if rollout == 0 and args.get("slow_suspends_ms"):  # later begins outlast the resume
+            for comm in fake.comms.values():
+                fake.controls.delay(comm, args["slow_suspends_ms"] * 1000)
+        out["rollouts"].append({
+            "suspends_done_at_resume": resumed.done,
+            "reports": [dict(r.as_dict(), when=r.when, summary=r.summary())
+                        for r in controller.kv_reports if r is not None][-2:],
+            "decision": controller._growth.decisions[-1].why if controller._growth.decisions
+            else None,
+            "measured": controller._growth.measured[-1].as_dict() if controller._growth.measured
+            else None})
+        controller.kv_reports.clear()
+    out["allocations"] = engine.context.allocations
+    out["sized_for"] = engine.controller.sized_for
     out["freed_bytes"] = controller.reports[0][1].nccl_bytes
     return out
 

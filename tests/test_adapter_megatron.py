@@ -308,29 +308,48 @@ def test_without_the_fix_the_guard_sees_megatrons_import_bound_gather():
 
 
 @pytest.mark.parametrize("margin_gb", [0.0, 0.125])
-def test_the_kv_cache_grows_by_the_agreed_freed_bytes_minus_the_margin(margin_gb):
-    both = results("kv_growth", tp=2, mode="recompute", margin_gb=margin_gb)
-    # the ranks' communicators differ in size: the replica takes the smaller figure
+def test_one_replica_grows_at_the_same_step_by_its_smallest_freed_bytes(margin_gb):
+    """Issue 32 on two ranks of one replica (TP 2): the rollout starts at once on the
+    launch-size cache (the suspends still run), both ranks grow at the same step once
+    both are over, by the smaller rank's freed bytes less the margin, max_requests
+    following; the decisions, made from the ranks' agreed figures, are the same."""
+    both = results("kv_growth", tp=2, mode="recompute", margin_gb=margin_gb, rollouts=3,
+                   slow_suspends_ms=60)
     freed = [res["freed_bytes"] for res in both]
-    assert freed[0] > freed[1] > 0
-    expected = 100 + (freed[1] - int(margin_gb * 2**30)) // (8 * 2**20)
+    assert freed[0] > freed[1] > 0  # the ranks' communicators differ in size
+    margin = int(margin_gb * 2**30)
+    launch = both[0]["rollouts"][0]["reports"][-1]
+    assert launch["amem/kv_cache/grown"] == 0 and "no rollout measured" in launch["summary"]
+    probe = [res["rollouts"][1] for res in both]
+    for rollout in probe:
+        assert not rollout["suspends_done_at_resume"]  # the resume did not wait for them
+        at_resume, grown = rollout["reports"]
+        assert at_resume["amem/kv_cache/blocks"] == 100 and at_resume["amem/kv_cache/grown"] == 0
+        assert "grows once they are over" in at_resume["summary"]
+        assert grown["amem/kv_cache/grown"] == 1 and grown["when"].startswith("step ")
+        assert grown["amem/kv_cache/launch_max_requests"] == 96
+        blocks = grown["amem/kv_cache/blocks"]
+        extra = freed[1] - margin
+        assert 100 + extra // (8 * 2**20 + 1000 * 8 + 4 * 34) == blocks  # the smaller rank's
+        assert grown["amem/kv_cache/max_requests"] == (blocks - 1) // 4 * 4
+        assert rollout["measured"]["amem/kv_cache/measured/grown"] == 1
+    assert probe[0]["reports"][1]["when"] == probe[1]["reports"][1]["when"]  # the same step
     for res in both:
-        for rollout in res["rollouts"]:
-            report = rollout["report"]
-            assert rollout["allocated_blocks"] == report["amem/kv_cache/blocks"] == expected
-            assert report["amem/kv_cache/grown"] == 1
-            assert report["amem/kv_cache/from_freed_bytes"] == (expected - 100) * 8 * 2**20
-            assert report["amem/kv_cache/margin_bytes"] == int(margin_gb * 2**30)
-            assert report["amem/kv_cache/token_capacity"] == (expected - 1) * 256
-            assert "from freed NCCL memory" in rollout["summary"]
+        grown_size = [blocks, (blocks - 1) // 4 * 4]
+        # every rollout's resume allocates the launch size at once; the regrow follows
+        assert res["allocations"] == [[100, 96], [100, 96], grown_size, [100, 96], grown_size]
+        assert res["sized_for"][0] == grown_size[1]
+    assert [r["decision"] for r in both[0]["rollouts"]] == \
+        [r["decision"] for r in both[1]["rollouts"]]
 
 
 def test_a_persistent_kv_cache_is_never_grown_and_says_why():
-    for res in results("kv_growth", tp=2, mode="persist", margin_gb=0.0):
+    for res in results("kv_growth", tp=2, mode="persist", margin_gb=0.0, rollouts=2, steps=10):
+        assert all(a == [100, 96] for a in res["allocations"]) and res["sized_for"] == []
         for rollout in res["rollouts"]:
-            assert rollout["allocated_blocks"] == 100
-            assert rollout["report"]["amem/kv_cache/grown"] == 0
-            assert "persist" in rollout["summary"] and "recompute" in rollout["summary"]
+            report = rollout["reports"][-1]
+            assert report["amem/kv_cache/grown"] == 0 and rollout["decision"] is None
+            assert "persist" in report["summary"] and "recompute" in report["summary"]
 
 
 def test_without_fix_and_guard_the_gather_dies_on_the_suspended_group_as_on_gpu():

@@ -53,7 +53,7 @@ def mcore(wheel, monkeypatch_module):
     """``(kv_block_allocator module, config enums)`` from the 0.19.2 wheel."""
     config_src = _source(wheel, f"{INFERENCE}/config.py")
     enums = [node for node in ast.parse(config_src).body if isinstance(node, ast.ClassDef)
-             and node.name in ("PrefixCachingEvictionPolicy", "KVCacheManagementMode")]
+             and any(getattr(base, "id", None) == "Enum" for base in node.bases)]
     config = types.ModuleType("megatron.core.inference.config")
     exec("from enum import Enum\n" + "\n".join(ast.get_source_segment(config_src, node)
                                                for node in enums), config.__dict__)

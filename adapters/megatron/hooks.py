@@ -4,6 +4,7 @@ nothing. Modules are patched when first imported: installing imports neither tor
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 from amem_callbacks.log import logger
@@ -12,6 +13,7 @@ from amem_callbacks.patching import ImportHooks
 from . import param_sync
 from .args import settings_from_args
 from .offload import RolloutOffload, megatron_args
+from .regrow import is_regrowing
 
 LOOP_FUNCTION = "get_environment_rollouts"
 _controller = None
@@ -50,28 +52,48 @@ def _call(method: str, *args, **kwargs):
 
 
 def patch_engine(cls) -> bool:
-    """Wrap ``cls.resume``/``cls.suspend`` (a DynamicInferenceEngine class)."""
+    """Wrap ``cls.resume``/``cls.suspend`` (a DynamicInferenceEngine class), and
+    ``cls.async_step``, the boundary between two engine steps."""
     where = cls.__name__
 
     def resume(original, self, *args, **kwargs):
-        if engine_suspended(self):  # a real wake-up, not the coordinator's 20 ms poll
-            _call("engine_resuming", self, via=f"{where}.resume")
-        return original(self, *args, **kwargs)
+        # a real wake-up, not the coordinator's 20 ms poll nor a mid-rollout regrow
+        if not engine_suspended(self) or is_regrowing(self):
+            return original(self, *args, **kwargs)
+        _call("engine_resuming", self, via=f"{where}.resume")
+        began = time.monotonic()
+        out = original(self, *args, **kwargs)
+        _call("engine_resumed", self, time.monotonic() - began)
+        return out
 
     def suspend(original, self, *args, **kwargs):
         was_suspended = engine_suspended(self)
         out = original(self, *args, **kwargs)
-        if not was_suspended:
+        if not was_suspended and not is_regrowing(self):
             _call("rollout_end", self, via=f"{where}.suspend")
         return out
 
+    def step(original, self, *args, **kwargs):
+        controller = current_controller()
+        if controller is None:
+            return original(self, *args, **kwargs)
+        controller.engine_step(self, via=f"{where}.async_step")
+        return _stepped(controller, self, original(self, *args, **kwargs))
+
     patches = _hooks.patches
-    ok = patches.wrap(cls, "resume", resume) | patches.wrap(cls, "suspend", suspend)
+    ok = (patches.wrap(cls, "resume", resume) | patches.wrap(cls, "suspend", suspend)
+          | patches.wrap(cls, "async_step", step))
     if "resume" not in cls.__dict__ or "suspend" not in cls.__dict__:
         logger.warning("amem_callbacks: %s has no resume()/suspend(); this Megatron version "
                        "is not supported by the rollout hooks", where)
         return False
     return ok
+
+
+async def _stepped(controller, engine, step):
+    result = await step
+    controller.engine_stepped(engine, result)
+    return result
 
 
 def patch_interface(cls) -> bool:

@@ -1,14 +1,58 @@
-"""The freed bytes become KV cache in ``recompute`` mode, the same size on every rank of one
-model replica (how and why: docs/megatron.md, "Growing the KV cache")."""
+"""The KV cache's size in ``recompute`` mode: what it is at launch, what the freed bytes
+make of it (blocks, and the requests those blocks can run at once), the same on every
+rank of one model replica (how and why: docs/megatron.md, "Growing the KV cache")."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
-from amem_callbacks.log import logger
+from . import concurrency
 
 GROWABLE_MODE = "recompute"
+
+
+@dataclass(frozen=True)
+class Size:
+    """A KV cache: blocks in the pool, requests run at once."""
+
+    blocks: int
+    max_requests: int
+
+
+@dataclass(frozen=True)
+class Launch:
+    """The engine as launched, and what one more block and one more request cost."""
+
+    size: Size
+    block_bytes: int
+    block_tokens: int
+    request_bytes: int  # beyond its blocks (concurrency.bytes_per_request)
+    tp: int
+    fixed: Optional[str]  # why max_requests does not follow the blocks, else None
+
+    @classmethod
+    def of(cls, engine) -> "Launch":
+        context = engine.context
+        return cls(Size(context.kv_block_allocator.total_count, context.max_requests),
+                   context.block_size_bytes, getattr(context, "block_size_tokens", 0),
+                   concurrency.bytes_per_request(engine), concurrency.tp_size(engine),
+                   concurrency.why_fixed(engine))
+
+    def grown_by(self, context, extra_bytes: int) -> Size:
+        """The biggest cache ``extra_bytes`` more than the launch's can hold: every
+        block may bring one more request, so each costs a block and a request."""
+        if self.fixed is not None:
+            return Size(self.size.blocks + extra_bytes // self.block_bytes,
+                        self.size.max_requests)
+        blocks = self.size.blocks + extra_bytes // (self.block_bytes + self.request_bytes)
+        requests = max(self.size.max_requests, concurrency.requests_for(context, blocks, self.tp))
+        return Size(blocks, requests)
+
+    def bytes_of(self, size: Size) -> int:
+        """Device bytes a cache of ``size`` takes (its blocks and extra request rows)."""
+        return (size.blocks * self.block_bytes
+                + max(0, size.max_requests - self.size.max_requests) * self.request_bytes)
 
 
 @dataclass
@@ -22,9 +66,14 @@ class KvCacheReport:
     block_bytes: int = 0
     block_tokens: int = 0
     max_requests: int = 0
-    freed_bytes: int = 0  # what this rank's begin freed (NCCL's account)
+    launch_max_requests: int = 0
+    freed_bytes: int = 0  # what this rank's begin freed so far (NCCL's account)
     margin_bytes: int = 0
-    agreed_extra_bytes: int = 0  # the minimum over the model replica's ranks
+    agreed_extra_bytes: int = 0  # the minimum over the model replica's ranks, less the margin
+    when: str = ""  # "resume", or "step N" of the rollout
+    after_s: float = 0.0  # from the rollout's start
+    regrow_s: float = 0.0  # the engine's suspend, resize and resume mid-rollout
+    fixed_why: str = ""  # why max_requests did not follow, if it did not
 
     @property
     def kv_bytes(self) -> int:
@@ -39,18 +88,25 @@ class KvCacheReport:
         return max(0, self.blocks - self.base_blocks) * self.block_bytes
 
     def as_dict(self, prefix: str = "amem/") -> dict:
-        figures = dict(bytes=self.kv_bytes, blocks=self.blocks, token_capacity=self.token_capacity,
-                       max_requests=self.max_requests, from_freed_bytes=self.from_freed_bytes,
-                       margin_bytes=self.margin_bytes, grown=int(self.grown))
+        figures = dict(bytes=self.kv_bytes, blocks=self.blocks, launch_blocks=self.base_blocks,
+                       token_capacity=self.token_capacity, max_requests=self.max_requests,
+                       launch_max_requests=self.launch_max_requests,
+                       from_freed_bytes=self.from_freed_bytes, margin_bytes=self.margin_bytes,
+                       grown=int(self.grown), grown_after_s=self.after_s,
+                       regrow_s=self.regrow_s)
         return {f"{prefix}kv_cache/{name}": value for name, value in figures.items()}
 
     def summary(self) -> str:
         line = (f"KV cache {self.kv_bytes / 2**30:.2f} GiB = {self.blocks} blocks "
-                f"({self.token_capacity} tokens, max_requests {self.max_requests})")
+                f"({self.token_capacity} tokens), {self.max_requests} requests at once "
+                f"(launch: {self.base_blocks} blocks, {self.launch_max_requests} requests)")
+        if self.fixed_why:
+            line += f" [{self.fixed_why}]"
         if self.grown:
             return (line + f", {self.from_freed_bytes / 2**30:.2f} GiB of it from freed NCCL "
                     f"memory ({self.freed_bytes / 2**30:.2f} GiB freed here, "
-                    f"{self.margin_bytes / 2**30:.2f} GiB margin)")
+                    f"{self.margin_bytes / 2**30:.2f} GiB margin), grown at {self.when} "
+                    f"{self.after_s:.2f} s into the rollout in {self.regrow_s:.2f} s")
         return line + f"; not grown: {self.why}"
 
 
@@ -73,61 +129,6 @@ def why_not_growable(context) -> Optional[str]:
     return None
 
 
-class KvCacheGrowth:
-    """Gives each rollout's KV cache the bytes that rollout's begin freed, less
-    ``margin_bytes``. ``exchange(name, value, ranks) -> ({rank: value}, missing)``:
-    the policy's store exchange (bounded, never NCCL)."""
-
-    def __init__(self, margin_bytes: int, exchange):
-        self.margin_bytes = margin_bytes
-        self._exchange = exchange
-        self._base: dict = {}  # id(context) -> blocks at launch
-        self._warned = False
-
-    def before_resume(self, engine, freed_bytes: int) -> KvCacheReport:
-        """Collective over the engine's ``mp`` ranks (store): size the next allocation."""
-        context = engine.context
-        why = why_not_growable(context)
-        if why is not None:
-            if not self._warned:
-                self._warned = True
-                logger.warning("amem_callbacks: --rl-amem-grow-kv-cache does nothing here: %s", why)
-            return self._report(context, False, why, freed_bytes)
-        base = self._base.setdefault(id(context), context.kv_block_allocator.total_count)
-        extra = max(0, freed_bytes - self.margin_bytes)
-        agreed = self._agree(engine, extra)
-        blocks = base + agreed // context.block_size_bytes
-        if blocks != context.kv_block_allocator.total_count:
-            _replace_allocator(context, blocks)
-        why = "" if blocks > base else "the freed memory is less than the margin"
-        report = self._report(context, blocks > base, why, freed_bytes, base)
-        report.agreed_extra_bytes = agreed
-        return report
-
-    def _agree(self, engine, extra: int) -> int:
-        import torch.distributed as dist
-
-        mp = getattr(getattr(engine, "pg_collection", None), "mp", None)
-        ranks = dist.get_process_group_ranks(mp) if mp is not None else [dist.get_rank()]
-        # One name per model replica; the store agreement numbers the rounds.
-        values, missing = self._exchange(f"kv_cache/{min(ranks)}", str(extra), ranks)
-        if missing:  # a peer is late or gone: grow nothing rather than diverge
-            logger.warning("amem_callbacks: rank(s) %s of this model replica did not report "
-                           "their freed memory; the KV cache keeps its launch size", missing)
-            return 0
-        return min(int(v) for v in values.values())
-
-    def _report(self, context, grown: bool, why: str, freed: int, base: int = 0) -> KvCacheReport:
-        allocator = getattr(context, "kv_block_allocator", None)
-        blocks = getattr(allocator, "total_count", 0)
-        return KvCacheReport(
-            grown=grown, why=why, blocks=blocks, base_blocks=base or blocks,
-            block_bytes=getattr(context, "block_size_bytes", 0),
-            block_tokens=getattr(context, "block_size_tokens", 0),
-            max_requests=getattr(context, "max_requests", 0), freed_bytes=freed,
-            margin_bytes=self.margin_bytes)
-
-
 def _replace_allocator(context, total_count: int) -> None:
     """A new block pool of ``total_count`` blocks, like the old one in every other way;
     the engine's resume allocates the cache for it and resets it."""
@@ -145,3 +146,27 @@ def _replace_allocator(context, total_count: int) -> None:
         mha = metadata.get("mha_metadata") if isinstance(metadata, dict) else None
         if mha is not None and hasattr(mha, "max_blocks"):
             mha.max_blocks = total_count
+
+
+def apply(engine, launch: Launch, size: Size) -> None:
+    """Install ``size`` while the engine is suspended: its resume allocates the cache
+    and the request tensors for it and captures the graphs."""
+    context = engine.context
+    if context.kv_block_allocator.total_count != size.blocks:
+        _replace_allocator(context, size.blocks)
+    if launch.fixed is None:
+        concurrency.resize(engine, size.max_requests, launch.tp)
+
+
+def has_room(launch: Launch, size: Size, held_bytes: int) -> bool:
+    """Whether this GPU can take a cache of ``size`` once the ``held_bytes`` of the
+    current one are given back: free device memory and what torch's allocator caches
+    unused. True where CUDA cannot tell (no GPU: nothing to run out of)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return True
+    free, _total = torch.cuda.mem_get_info()
+    cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    return free + cached + held_bytes >= launch.bytes_of(size)

@@ -16,7 +16,7 @@ from amem_callbacks.session import RolloutSession, SessionViews
 
 from . import param_sync, roles
 from .args import Settings
-from .kv_cache import KvCacheGrowth
+from .growth import KvCacheGrowth
 
 #: Megatron-LM broadcasts the rollouts on the default group right after the engine suspends.
 RESUME_FIRST = ("world",)
@@ -88,27 +88,50 @@ class RolloutOffload(SessionViews):
         self._hooks_off += param_sync.finish_before_suspend(None, None)
         if self.session is None:
             self.session = RolloutSession(self._build_policy(engine))
-        return self._logged(self.session.start(via, need_bytes=0), via)
+        report = self._logged(self.session.start(via, need_bytes=0), via)
+        if self._growth is not None and self.active:
+            self._growth.rollout_started(engine)
+        return report
 
     def engine_resuming(self, engine, via: str = ""):
-        """The engine is about to re-allocate its KV cache: begin if not yet, and
-        with growth on, wait for the suspends and size the cache from them."""
+        """The engine is about to re-allocate its KV cache: begin if not yet; with
+        growth on, decide and size this rollout's cache, without waiting for the
+        suspends (it grows between steps once they are over: :meth:`engine_step`)."""
         self.rollout_begin(engine, via=via)
         if self._growth is None or not self.active:
             return None
-        freed = self.session.wait_for_memory()
-        report = self._growth.before_resume(engine, freed)
-        self.kv_reports.append(report)
-        logger.info("amem_callbacks: rollout at %s: %s", via, report.summary())
-        write_metrics(report.as_dict(), self._writers)
-        return report
+        report = self._growth.before_resume(engine, self.session)
+        decision = self._growth.decisions[-1] if self._growth.decisions else None
+        return self._kv_logged(report, via, decision.as_dict() if decision else {})
+
+    def engine_resumed(self, engine, seconds: float) -> None:
+        """The engine's own resume took ``seconds`` (re-allocation and graph capture)."""
+        if self._growth is not None and self.active:
+            self._growth.resumed(seconds)
+
+    def engine_step(self, engine, via: str = ""):
+        """Between two engine steps: with growth on, grow the cache once the suspends
+        of every rank of this replica are over."""
+        if self._growth is None or not self.active:
+            return None
+        report = self._growth.before_step(engine, self.session)
+        return self._kv_logged(report, via) if report is not None else None
+
+    def engine_stepped(self, engine, result) -> None:
+        if self._growth is not None and self.active:
+            self._growth.after_step(engine, result)
 
     def rollout_end(self, engine=None, via: str = ""):
         """Collective over all ranks: resume what ``rollout_begin`` suspended."""
         if not self.active:
             return None
         if self._growth is not None:
-            empty_cache()  # the grown KV's blocks, for NCCL's resume
+            grown = self._growth.grown
+            figures = self._growth.at_end(engine, self.session)
+            if figures is not None:
+                write_metrics(figures.as_dict(), self._writers)
+            if grown:
+                empty_cache()  # the grown cache's blocks, for NCCL's resume
         report = self.session.stop(via, guarded_until_settle=_guard_sees_training())
         self.after_rollouts()
         return self._logged(report, via)
@@ -124,6 +147,12 @@ class RolloutOffload(SessionViews):
 
     def _exchange(self, name: str, value: str, ranks) -> tuple:
         return self.policy.store_exchange(name, value, ranks)
+
+    def _kv_logged(self, report, via: str, extra: Optional[dict] = None):
+        self.kv_reports.append(report)
+        logger.info("amem_callbacks: rollout at %s: %s", via, report.summary())
+        write_metrics({**report.as_dict(), **(extra or {})}, self._writers)
+        return report
 
     def _logged(self, report, via: str):
         if report is not None:
