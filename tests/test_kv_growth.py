@@ -670,3 +670,13 @@ def test_a_replica_of_two_grows_only_when_both_ranks_are_ready(grow, monkeypatch
     assert any(r.grown for r in growth.reports) is grows
     if grows:
         assert growth.reports[-1].blocks == 258 and growth.reports[-1].when == "step 8"
+
+
+def test_with_expert_parallelism_max_requests_stays_and_nothing_grows_mid_rollout(mc, monkeypatch):
+    from amem_callbacks.adapters.megatron import growth as growth_module
+
+    engine = stand_in_engine(mc, StandInContext(mc, 182))
+    assert concurrency.why_fixed(engine) is None and growth_module.why_not_mid_rollout(engine) is None
+    monkeypatch.setattr(concurrency, "ep_size", lambda engine: 2)
+    assert "expert parallelism" in concurrency.why_fixed(engine)
+    assert "expert parallelism" in growth_module.why_not_mid_rollout(engine)

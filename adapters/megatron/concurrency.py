@@ -30,6 +30,9 @@ def why_fixed(engine) -> Optional[str]:
     if given is not None:
         return (f"max_requests {given} is set (--inference-dynamic-batching-max-requests): "
                 "kept as given")
+    if ep_size(engine) > 1:
+        return ("expert parallelism: CUDA-graph batch sizes are matched across the expert-"
+                "parallel group, which spans replicas: max_requests kept")
     if getattr(context, "is_hybrid_model", False):
         return ("a hybrid (Mamba) model sizes its per-request states from a memory split made "
                 "at launch: max_requests kept")
@@ -55,6 +58,13 @@ def builder(context):
         except ImportError:
             return None
     return found
+
+
+def ep_size(engine) -> int:
+    import torch.distributed as dist
+
+    ep = getattr(getattr(engine, "pg_collection", None), "ep", None)
+    return dist.get_world_size(ep) if ep is not None and dist.is_initialized() else 1
 
 
 def tp_size(engine) -> int:

@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 from amem_callbacks.log import logger
 
-from . import kv_cache
+from . import concurrency, kv_cache
 from .decision import Decision, GrowthDecider, RolloutFigures, combine
 from .kv_cache import KvCacheReport, Launch, Size, why_not_growable
 from .meter import RolloutMeter
@@ -36,10 +36,7 @@ def replica_ranks(engine) -> list:
 def why_not_mid_rollout(engine) -> Optional[str]:
     """None when the cache can grow between steps (every rank that steps with this one
     is in its replica), else why not."""
-    import torch.distributed as dist
-
-    ep = getattr(getattr(engine, "pg_collection", None), "ep", None)
-    if ep is not None and dist.is_initialized() and dist.get_world_size(ep) > 1:
+    if concurrency.ep_size(engine) > 1:
         return ("expert parallelism: the expert-parallel peers of other replicas step with "
                 "this engine, so it grows only where the memory is free at its resume")
     return None

@@ -1,6 +1,7 @@
-"""Where a Megatron rollout begins and ends (megatron-core 0.19.2, Megatron-LM core_r0.19.0;
-the seams: docs/megatron.md). Whichever seam comes first acts; a second begin or end does
-nothing. Modules are patched when first imported: installing imports neither torch nor Megatron."""
+"""Where a Megatron rollout begins and ends, and where its engine steps (megatron-core
+0.19.2, Megatron-LM core_r0.19.0; the seams: docs/megatron.md). Whichever seam comes first
+acts; a second begin or end does nothing. Modules are patched when first imported:
+installing imports neither torch nor Megatron."""
 
 from __future__ import annotations
 
