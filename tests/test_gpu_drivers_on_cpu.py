@@ -518,9 +518,11 @@ def test_megatron_rl_gpu_wraps_megatron_the_way_the_package_patching_takes(monke
             bound = [None] * (len(node.args) + (name == "wrap"))  # self, then the arguments
             takes[name].bind(*bound, **{k.arg: None for k in node.keywords})  # TypeError: no
     assert calls["wrap"] >= 6 and calls["wrapper"] >= 1, calls
+    import torch
+
     monkeypatch.setenv("LOCAL_RANK", "3")
-    megatron_rl_gpu.share_the_gpu()  # the package's local_device: no GPU here, device 0
-    assert os.environ["LOCAL_RANK"] == "0"
+    megatron_rl_gpu.share_the_gpu()  # the package's local_device: round robin over the GPUs
+    assert os.environ["LOCAL_RANK"] == str(3 % max(1, torch.cuda.device_count()))
 
 
 # --- usage lines ---------------------------------------------------------------------
