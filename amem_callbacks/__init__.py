@@ -19,6 +19,8 @@ _EXPORTS = {
     "BackendUnavailable": "amem_callbacks.errors",
     "SuspendedGroupError": "amem_callbacks.errors",
     "TransitionTimeout": "amem_callbacks.errors",
+    "TransitionError": "amem_callbacks.errors",
+    "PhaseError": "amem_callbacks.errors",
 }
 __all__ = sorted(_EXPORTS)
 

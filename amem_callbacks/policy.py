@@ -325,21 +325,21 @@ class OffloadPolicy:
         if self.inert:
             return self._skipped(phase, Kind.BEGIN, self.backend_description)
         self._wait_pending()
-        self.counters.begins += 1
+        self.counters.add("begins")
         report = self._new_report(phase, Kind.BEGIN)
         plan = plan_begin(self._setup, self.options, phase, self.learned.reasons(phase))
-        before = self._held_states()
+        before = self._transitions.held_ids()
         submitted = None
         try:
             submitted = self._transitions.begin(report, plan)
             return self._run(submitted, report, self.counters.begins)
         except BaseException:
             if submitted is None or submitted.task.done():  # nothing will run them now
-                self._release_untouched(before)
+                self._transitions.release_unstarted(before)
             raise
 
     def _end(self, phase: str) -> TransitionReport:
-        self.counters.ends += 1
+        self.counters.add("ends")
         resumed = self._transitions.take_guard_resumes()
         if self.options.learn_keep and resumed:
             self.learned.note(phase, resumed)
@@ -350,19 +350,6 @@ class OffloadPolicy:
         return report
 
     # --- what a failed begin or end leaves behind --------------------------
-    def _held_states(self) -> set:
-        states = self._transitions.states if self._transitions is not None else {}
-        return {id(state) for state in list(states.values())}
-
-    def _release_untouched(self, before: set) -> None:
-        """The groups a failed begin registered (guard included) but no worker
-        ever reached: NCCL never saw them, so they are active; drop them, or the
-        guard would hold every later call on them until a timeout. (Uses
-        Transitions' own ``_mark_active``: it has no public call for this.)"""
-        for state in list(self._transitions.states.values()):
-            if id(state) not in before and not state.finished.is_set():
-                self._transitions._mark_active(state)
-
     def _held_names(self) -> list:
         return [f"{view.name!r} ({view.status}{', resuming' if view.resuming else ''})"
                 for view in self.groups()]

@@ -118,8 +118,8 @@ def group_timeout_s(group) -> float:
             backend = group._get_backend(torch.device(device))
         except Exception:  # no backend for this device type on the group
             continue
-        try:
-            return backend.options._timeout.total_seconds()
+        try:  # a huge init_process_group(timeout=) must not overflow a wait
+            return min(backend.options._timeout.total_seconds(), threading.TIMEOUT_MAX)
         except AttributeError as exc:  # torch moved the private field: say so once
             if not _warned_timeout:
                 _warned_timeout.append(True)
@@ -487,6 +487,19 @@ class Transitions:
     def longest_timeout_s(self) -> float:
         """A batch may take as long as its slowest group's c10d timeout."""
         return max((s.timeout_s for s in self.states.values()), default=self.timeout_s or FALLBACK_TIMEOUT_S)
+
+    # --- what a failed begin leaves behind -----------------------------------
+    def held_ids(self) -> set:
+        """Identities of the group states held now (to tell what a begin adds)."""
+        return {id(state) for state in list(self.states.values())}
+
+    def release_unstarted(self, before: set) -> None:
+        """Drop the states a failed begin registered (guard included) that no
+        worker ever reached: NCCL never saw them, so they are active, and the
+        guard would otherwise hold every later call on them until a timeout."""
+        for state in list(self.states.values()):
+            if id(state) not in before and not state.finished.is_set():
+                self._mark_active(state)
 
     # --- the public view (OffloadPolicy.groups / view) ------------------------
     def views(self, read_nccl: bool = False) -> tuple:
