@@ -239,7 +239,8 @@ def test_launcher_runs_a_script_with_the_flags_and_hooks(tmp_path):
     procs = [launcher(*argv, env=dict(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
              for r in range(2)]
-    outs = [p.communicate(timeout=120)[0] for p in procs]
+    # two Megatron imports and a gloo rendezvous: minutes when other work shares the CPU
+    outs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     for rank, out in enumerate(outs):
         res = json.load(open(tmp_path / f"rank{rank}.json"))
@@ -314,7 +315,7 @@ def test_one_replica_grows_at_the_same_step_by_its_smallest_freed_bytes(margin_g
     both are over, by the smaller rank's freed bytes less the margin, max_requests
     following; the decisions, made from the ranks' agreed figures, are the same."""
     both = results("kv_growth", tp=2, mode="recompute", margin_gb=margin_gb, rollouts=3,
-                   slow_suspends_ms=60)
+                   slow_suspends_ms=150)
     freed = [res["freed_bytes"] for res in both]
     assert freed[0] > freed[1] > 0  # the ranks' communicators differ in size
     margin = int(margin_gb * 2**30)
