@@ -196,7 +196,7 @@ class OffloadPolicy:
 
         If the body raises, the groups are *not* resumed (that is collective
         and the other ranks may not be here); the guard resumes a group if the
-        program uses it again.
+        program uses it again, and the next ``begin`` resumes the rest first.
         """
         check_phase(name)
         with self._lock:
@@ -325,6 +325,7 @@ class OffloadPolicy:
         if self.inert:
             return self._skipped(phase, Kind.BEGIN, self.backend_description)
         self._wait_pending()
+        self._resume_left_behind(phase)
         self.counters.add("begins")
         report = self._new_report(phase, Kind.BEGIN)
         plan = plan_begin(self._setup, self.options, phase, self.learned.reasons(phase))
@@ -350,6 +351,24 @@ class OffloadPolicy:
         return report
 
     # --- what a failed begin or end leaves behind --------------------------
+    def _resume_left_behind(self, phase: str) -> None:
+        """Collective: resume what a phase whose body raised left suspended, before
+        this begin plans (it would plan to suspend them again). Every rank that
+        left that phase so resumes them here; a rank that ended it normally is
+        already waiting in those same resumes. Guard resumes since then are
+        dropped, not learned: that phase never ended."""
+        left = self._transitions.unresumed()
+        if not left:
+            return
+        logger.warning("amem_callbacks: begin(%r): %s stayed suspended after the last phase "
+                       "raised; resuming them first", phase, left)
+        self._transitions.take_guard_resumes()
+        report = self._new_report(phase, Kind.END)
+        self.counters.add("ends")
+        self._run(self._transitions.end(report), report, self.counters.ends)
+        self._wait_pending()
+
+
     def _held_names(self) -> list:
         return [f"{view.name!r} ({view.status}{', resuming' if view.resuming else ''})"
                 for view in self.groups()]

@@ -475,6 +475,12 @@ class Transitions:
         logger.error("amem_callbacks: group %r is in an unknown state (%s); calls on it will "
                      "raise. Restart the job.", state.info.name, why)
 
+    def unresumed(self) -> list:
+        """Names of the groups held suspended with no resume queued (a phase whose
+        body raised leaves them so)."""
+        return [s.info.name for _k, s in sorted(list(self.states.items()))
+                if not s.resume_queued and s.status in (Status.SUSPENDING, Status.SUSPENDED)]
+
     def take_guard_resumes(self) -> dict:
         """Group key -> (name, count) of the guard resumes since the last call."""
         taken, self._guard_resumes = self._guard_resumes, {}

@@ -810,3 +810,31 @@ def trl_single_process(args):
             "distributed": dist.is_initialized(), "steps": len(logs),
             "amem_keys": sorted({k for h in logs for k in h if k.startswith("amem/")}),
             "phase": callback.policy.active_phase, "watched": len(guard.watched())}
+
+
+def phase_body_raises(args):
+    """A phase whose body raises leaves its groups suspended (resuming is
+    collective); the program goes on, uses one group (the guard resumes it),
+    and the next phase resumes the rest first instead of suspending them twice.
+    Nothing is learned from the phase that never ended."""
+    init()
+    groups = make_groups(dist.get_world_size())
+    for g in groups.values():
+        allreduce_ok(g)
+    fake = FakeNccl()
+    policy = OffloadPolicy(backend=fake.backend(), keep=["tp"], agree_timeout_s=20,
+                           timeout_s=30)
+    out = {}
+    try:
+        with policy.phase("rollout"):
+            raise RuntimeError("generation failed")
+    except RuntimeError:
+        pass
+    out["after_raise"] = {"phase": policy.active_phase, "suspended": fake.suspended()}
+    out["dp_exact"] = allreduce_ok(groups["dp"])  # the guard resumes dp, collective
+    with policy.phase("rollout") as report:
+        out["next_phase"] = {g.name: str(g.action) for g in report.groups}
+        out["failures"] = policy.counters.failures
+    out.update(after=fake.suspended(), exact=all(allreduce_ok(g) for g in groups.values()),
+               learned=policy.learned.by_phase(), end=_nothing_applied(policy))
+    return out

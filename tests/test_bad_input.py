@@ -362,3 +362,16 @@ def test_docs_verl_table_holds_every_key_in_one_table():
     keys = [re.match(r"\| `(\w+)` \|", row).group(1) for row in table.splitlines()]
     assert keys == list(OPTIONS)
     assert text.count("| `guard` |") == 1
+
+
+def test_a_phase_whose_body_raised_is_resumed_by_the_next_begin_not_suspended_twice():
+    for res in results("phase_body_raises"):
+        assert res["after_raise"] == {"phase": None, "suspended": {
+            "dp": True, "ep": True, "tp": False, "world": True}}
+        assert res["dp_exact"]
+        assert res["next_phase"] == {"world": "suspended", "dp": "suspended", "ep": "suspended",
+                                     "tp": "kept"}
+        assert res["failures"] == 0
+        assert res["after"] == {"dp": False, "ep": False, "tp": False, "world": False}
+        assert res["exact"] and res["learned"] == {}
+        assert res["end"] == {"phase": None, "held": [], "watched": 0, "guard_installed": False}
