@@ -89,24 +89,35 @@ GUARDED_FUNCTIONS = {
     "destroy_process_group": CallKind.DESTROY,  # its group: the "group" argument, or all
 }
 
-# process group -> its GroupOwner. Empty whenever nothing is suspended: the fast path.
+# process group -> the tuple of its GroupOwners (several policies may hold one group
+# at once, e.g. one's overlapped end still running while another begins). Empty
+# whenever nothing is suspended: the fast path. Tuples, replaced under the lock, so
+# the wrappers read them without it.
 _guarded: dict = {}
 _lock = threading.Lock()
 _installed: list = []  # (owner object, attribute name, what was there, the wrapper)
 
 
 def watch(group, owner: GroupOwner) -> None:
-    """Route calls on ``group`` through ``owner``; wraps on first use."""
+    """Route calls on ``group`` through ``owner`` (besides any other owner of
+    it); wraps on first use."""
     install()
     with _lock:
-        _guarded[group] = owner
+        owners = _guarded.get(group, ())
+        if not any(o is owner for o in owners):
+            _guarded[group] = owners + (owner,)
 
 
-def unwatch(group) -> None:
-    """Stop routing ``group``; with nothing left to watch, the originals come back,
-    so training between phases runs on torch's methods untouched."""
+def unwatch(group, owner: GroupOwner) -> None:
+    """Stop routing ``group`` through ``owner``; another owner's hold stays. With
+    nothing left to watch, the originals come back, so training between phases
+    runs on torch's methods untouched."""
     with _lock:
-        _guarded.pop(group, None)
+        owners = tuple(o for o in _guarded.get(group, ()) if o is not owner)
+        if owners:
+            _guarded[group] = owners
+        else:
+            _guarded.pop(group, None)
         empty = not _guarded
     if empty:
         uninstall()
@@ -119,8 +130,7 @@ def watched() -> list:
 
 
 def _check(call: str, kind: CallKind, group) -> None:
-    owner = _guarded.get(group)
-    if owner is not None:
+    for owner in _guarded.get(group, ()):
         owner.before_use(group, kind, call)
 
 
@@ -130,15 +140,13 @@ def _method_wrapper(name: str, kind: CallKind, original):
     installed then) or one dict lookup."""
     if kind is CallKind.DESTROY:
         def guarded(self, *args, **kwargs):
-            owner = _guarded.get(self) if _guarded else None
-            if owner is not None:
+            for owner in _guarded.get(self, ()) if _guarded else ():
                 owner.forget(self)
             return original(self, *args, **kwargs)
     else:
         def guarded(self, *args, **kwargs):
             if _guarded:
-                owner = _guarded.get(self)
-                if owner is not None:
+                for owner in _guarded.get(self, ()):
                     owner.before_use(self, kind, name)
             return original(self, *args, **kwargs)
     guarded.__name__ = guarded.__qualname__ = name
@@ -158,8 +166,7 @@ def _function_wrapper(name: str, kind: CallKind, original):
                 group = kwargs.get("group", args[0] if args else None)
                 targets = list(_guarded) if group is None else [group]
                 for target in targets:
-                    owner = _guarded.get(target)
-                    if owner is not None:
+                    for owner in _guarded.get(target, ()):
                         owner.forget(target)
         return original(*args, **kwargs)
 

@@ -461,7 +461,7 @@ class Transitions:
         state.status = Status.ACTIVE
         self.states.pop(state.info.key, None)
         for group in state.covers:
-            guard.unwatch(group)
+            guard.unwatch(group, self)
 
     def _watch_again(self, state: GroupState) -> None:
         self.states[state.info.key] = state
@@ -537,7 +537,7 @@ class Transitions:
         state = self._state_of(group)
         if state is not None:
             state.wait("a pending transition", self.suspend_hint())
-        guard.unwatch(group)
+        guard.unwatch(group, self)
         if state is not None:
             state.covers = tuple(g for g in state.covers if g is not group)
             if not state.covers:

@@ -29,7 +29,8 @@ t = torch.ones(2)
 dist.all_reduce(t)                       # nothing watched: straight through
 assert Owner.calls == []
 world = dist.group.WORLD
-guard.watch(world, Owner())
+owner = Owner()
+guard.watch(world, owner)
 dist.all_reduce(t)
 dist.broadcast(t, 0, world)
 dist.barrier()
@@ -54,7 +55,21 @@ n_before = len(Owner.calls)
 other = dist.new_group([0], backend="gloo", use_local_synchronization=True)
 dist.all_reduce(t, group=other)          # a group nobody watches: not reported
 assert len(Owner.calls) == n_before, Owner.calls[n_before:]
-guard.unwatch(world)                     # nothing watched: everything put back
+# Two owners of one group (one policy's overlapped end still running while another
+# begins): each is asked, and one letting go leaves the other's hold in place.
+class Second(Owner):
+    calls = []
+second = Second()
+guard.watch(world, second)
+guard.watch(world, second)               # watching twice: still asked once per call
+dist.all_reduce(t)
+assert len(Owner.calls) == n_before + 1 and len(Second.calls) == 1, (Owner.calls, Second.calls)
+guard.unwatch(world, owner)
+dist.all_reduce(t)
+assert len(Owner.calls) == n_before + 1 and len(Second.calls) == 2
+assert guard.watched() == [world]
+n_before = len(Owner.calls)
+guard.unwatch(world, second)             # nothing watched: everything put back
 assert {n: PG.__dict__[n] for n in raw} == raw and dist.new_group is functions[2]
 dist.all_reduce(t)
 assert len(Owner.calls) == n_before
