@@ -518,6 +518,7 @@ def run_rollout(growth, engine, session, clock, *, resume=True, steps=40, done_a
         engine.suspend()  # the previous rollout's end
         engine.state = engine.state.SUSPENDED
         report = growth.before_resume(engine, session)
+        engine.decided = growth.decision
         engine.resume()
         engine.state = engine.state.RUNNING
     else:
@@ -668,6 +669,7 @@ def test_a_replica_of_two_grows_only_when_both_ranks_are_ready(grow, monkeypatch
     polls = replica.rounds.count("ready")
     assert polls == (0 if peer is None else 40 // growth.poll_every if not grows else 1)
     assert any(r.grown for r in growth.reports) is grows
+    assert (engine.decided is None) is (peer is None)  # no decision without the peer's figures
     if grows:
         assert growth.reports[-1].blocks == 258 and growth.reports[-1].when == "step 8"
 

@@ -64,6 +64,7 @@ class KvCacheGrowth:
         self._grown = False
         self._resume_s = 0.0
         self._warned = False
+        self.decision: Optional[Decision] = None  # this rollout's, once its resume decided
 
     @property
     def waiting(self) -> bool:
@@ -95,6 +96,7 @@ class KvCacheGrowth:
             self._meter = None  # nothing to decide: nothing measured
             return self._report(engine, None, False, why)
         self.rollout_started(engine)
+        self.decision = None
         launch = self._launch.setdefault(id(context), Launch.of(engine))
         freed = session.freed()
         shared = self._share(engine, "resume", {
@@ -108,7 +110,7 @@ class KvCacheGrowth:
         previous = [v["figures"] for v in shared]
         if all(previous):
             self.decider.record(combine([RolloutFigures.from_json(f) for f in previous]))
-        decision = self.decider.choose(self._regrow_cost())
+        decision = self.decision = self.decider.choose(self._regrow_cost())
         self._announce(decision)
         extra = min(v["freed"] for v in shared) - self.margin_bytes
         if decision.grow and extra > 0 and all(v["done"] for v in shared):
@@ -165,7 +167,7 @@ class KvCacheGrowth:
         """The rollout is over (the engine suspends): its figures, shared at the next
         resume; the cache's extra blocks go back with the engine's suspend."""
         meter, self._meter = self._meter, None
-        self._waiting, self._polls = False, 0
+        self._waiting, self._polls, self.decision = False, 0, None
         grown, self._grown = self._grown, False
         if meter is None or engine is None:
             return None

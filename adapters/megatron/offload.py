@@ -101,7 +101,7 @@ class RolloutOffload(SessionViews):
         if self._growth is None or not self.active:
             return None
         report = self._growth.before_resume(engine, self.session)
-        decision = self._growth.decisions[-1] if self._growth.decisions else None
+        decision = self._growth.decision  # None where none was made (a peer missing)
         return self._kv_logged(report, via, decision.as_dict() if decision else {})
 
     def engine_resumed(self, engine, seconds: float) -> None:
