@@ -23,6 +23,10 @@ from .states import Verdict
 # for KEEP the reason.
 
 
+#: what a member seals into a peer's exchange slot after waiting for it in vain
+MISSING = "\x00missing"
+
+
 def vote_suspend(backend_name: str, nbytes=None, first: bool = False) -> str:
     extra = "" if nbytes is None else f";bytes={int(nbytes)}"
     return f"{Verdict.SUSPEND.value}|{backend_name}{extra}{';first=1' if first else ''}"
@@ -138,23 +142,29 @@ class Agreement:
     def exchange(self, values: dict) -> dict:
         """Collective over each group's members: share one string, bounded wait.
 
-        Returns group key -> {rank: value or None if it did not arrive in time}.
+        Returns group key -> {rank: value or None if it did not arrive in time},
+        the same on every member: each member's slot is written with an atomic
+        ``compare_set``, and a member that waited for a slot in vain seals it
+        as missing the same way. Whoever writes a slot first wins, so a rank
+        that arrives after its peers gave up on it reads itself missing too
+        instead of a set of values they never saw, and all act alike.
         """
         deadline = time.monotonic() + self.timeout_s
         bases = {}
         for key, (members, value) in values.items():
             base, round_no = self._base("outcome", key)
             bases[key] = base
-            self.store.set(f"{base}/{self.rank}", value)
+            self.store.compare_set(f"{base}/{self.rank}", "", value)
             self._forget("outcome", key, round_no, members)
         result = {}
         for key, (members, _value) in values.items():
             keys = [f"{bases[key]}/{r}" for r in members]
-            self._wait(keys, deadline)
-            present = [self.store.check([k]) for k in keys]
-            got = self.store.multi_get([k for k, ok in zip(keys, present) if ok]) if any(present) else []
-            got_iter = iter(v.decode() for v in got)
-            result[key] = {r: (next(got_iter) if ok else None) for r, ok in zip(members, present)}
+            if not self._wait(keys, deadline):
+                for slot in keys:
+                    if not self.store.check([slot]):
+                        self.store.compare_set(slot, "", MISSING)
+            got = [v.decode() for v in self.store.multi_get(keys)]
+            result[key] = {r: (None if v == MISSING else v) for r, v in zip(members, got)}
         return result
 
 

@@ -76,3 +76,36 @@ def test_exchange_reports_missing_ranks_as_none():
     store = dist.HashStore()
     got = Agreement(store, 0, 0.2).exchange({"g": ((0, 1), "ok")})
     assert got == {"g": {0: "ok", 1: None}}
+
+
+def test_a_member_arriving_after_its_peers_gave_up_reads_itself_missing_like_them():
+    """The exchange is sealed: a late rank sees the same set its peers acted on."""
+    store = dist.HashStore()
+    results = {}
+
+    def rank(r, delay):
+        time.sleep(delay)
+        results[r] = Agreement(store, r, 0.3).exchange({"g": ((0, 1, 2), f"v{r}")})["g"]
+
+    threads = [threading.Thread(target=rank, args=(r, 1.0 if r == 2 else 0)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert results[0] == results[1] == {0: "v0", 1: "v1", 2: None}
+    assert results[2] == results[0]  # late: not {0: v0, 1: v1, 2: v2}, which nobody else saw
+
+
+def test_an_exchange_on_time_gives_every_value_to_everyone():
+    store = dist.HashStore()
+    results = {}
+
+    def rank(r):
+        results[r] = Agreement(store, r, 5.0).exchange({"g": ((0, 1), f"v{r}")})["g"]
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert results[0] == results[1] == {0: "v0", 1: "v1"}
