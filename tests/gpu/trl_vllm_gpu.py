@@ -1,0 +1,1115 @@
+"""Issue 34: TRL GRPO with a colocated vLLM 0.33 (sleep mode), with and without
+AMemCallback. Does the NCCL memory the package frees become vLLM's KV cache?
+
+vLLM sizes its KV cache once, at start-up, from ``vllm_gpu_memory_utilization``;
+sleep and wake-up keep that size. The package cannot grow it: it tells the user
+how far the share may rise (the headroom line, ``amem/headroom/gpu_memory_utilization``).
+This measures what that buys: at the default share and at the raised one, with
+and without the package, vLLM's own KV cache size, generation tokens/s, step time
+and losses, and whether the raised share fails without the package (vLLM's KV
+wake-up, or its start-up, out of memory: the line is kept).
+
+Two roles (the bundle first: tests/gpu/bundle_vllm.sh, tests/gpu/vllm_bundle.py):
+
+``run`` (one training run, under torchrun; each rank its own vLLM engine, as
+TRL's colocate mode does; several ranks on one GPU need NCCL_MULTI_RANK_GPU_ENABLE=1,
+which the bundle's environment sets)::
+
+    eval "$(python3 tests/gpu/vllm_bundle.py env)"
+    python3 -m torch.distributed.run --nproc-per-node 2 tests/gpu/trl_vllm_gpu.py run \\
+        /tmp/r/amem --share 0.3 --amem          # or --no-amem; -> /tmp/r/amem.rankN.json
+
+``pairs`` (the orchestrator, plain python3; resumable: run the same line again in
+the next device call and it goes on where the last one stopped)::
+
+    python3 tests/gpu/trl_vllm_gpu.py pairs --state /tmp/trl-vllm --out $OUT \\
+        --git-head <sha> --budget-s 540
+
+It starts with a probe (no package, TRL's default share 0.3) that measures the
+GPU's free memory while vLLM generates and while the model trains, and from it
+sets the default share and a ballast (memory each trainer holds, standing in
+for a larger training state) so that vLLM's cache is ``--kv-target-gib`` and the
+GPU has ``--slack-gib`` left while generating (``edge_plan``): a share at the edge
+of what fits without the package, as a user tunes it. Then interleaved pairs
+(ABBA) at that share, then pairs at the raised shares: the package's headroom
+line, and the per-rank figure (``raised_shares``: on a GPU that several ranks
+share, the headroom line counts every rank's freed memory for each rank's
+engine). The summary (``summary.json``; key ``raised_share_fails_without``) goes
+to ``--out`` after every run.
+
+CPU mode (``AMEM_GPU_DRIVER_ON_CPU=1``, tests/gpu/common.py; what
+tests/test_trl_vllm_driver.py runs): gloo, the fake NCCL behind the callback and
+a stand-in for ``vllm.LLM`` (it logs vLLM's KV-cache lines in vLLM's format) under
+trl's real VLLMGeneration, so the order of trl's calls and the callback's begin and
+end, the spies, the log parsing and the JSON are this file's own code; device
+memory and time are not judged there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import types
+from typing import Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+GIB = 2**30
+#: the share TRL's GRPOConfig defaults to (vllm_gpu_memory_utilization)
+TRL_DEFAULT_SHARE = 0.3
+SYNC_ROLE = "trl_vllm_sync"  # the spies' gloo barriers run on it while generating
+RUN_COMMAND_ENV = "AMEM_RUN_COMMAND"  # the orchestrator's exact torchrun line, for the record
+GIT_HEAD_ENV = "AMEM_GIT_HEAD"
+CODE_FILES = ("tests/gpu/trl_vllm_gpu.py", "tests/gpu/vllm_bundle.py", "adapters/trl.py",
+              "adapters/_trl_groups.py", "amem_callbacks/headroom.py")
+
+# --- vLLM's own log lines ------------------------------------------------------------
+# From vLLM 0.33.0's format strings: vllm/v1/worker/gpu_worker.py (KV memory, sleep,
+# start-up check), vllm/v1/core/kv_cache_utils.py (cache size),
+# vllm/v1/executor/abstract.py (wake-up), vllm/cumem_allocator (its CUDA error text),
+# torch's allocator. The numbers are vLLM's rounding (GiB to 2 decimals).
+KV_MEMORY = re.compile(r"Available KV cache memory: (-?[0-9.]+) GiB")
+KV_TOKENS = re.compile(r"KV cache size: ([0-9,]+) tokens, Maximum concurrency for "
+                       r"([0-9,]+) tokens per request: ([0-9.]+)x")
+SLEEP = re.compile(r"Sleep mode freed ([0-9.]+) GiB memory, ([0-9.]+) GiB memory is still in use")
+WAKE = re.compile(r"It took ([0-9.]+) seconds to wake up tags (.*)\.")
+#: (kind, pattern): the first that matches names how a run ran out of memory
+FAILURES = (
+    ("start-up: free memory below the share",
+     re.compile(r"Free memory on device .* on startup is less than desired GPU memory "
+                r"utilization")),
+    ("start-up: no memory for the KV cache",
+     re.compile(r"No available memory for the cache blocks|larger than the available KV "
+                r"cache memory|KV cache is needed, which is larger than")),
+    ("cuMem out of memory (sleep-mode wake-up)", re.compile(r"CUDA Error: out of memory at")),
+    ("torch out of memory", re.compile(r"CUDA out of memory|OutOfMemoryError")),
+)
+
+
+def parse_vllm_lines(lines) -> dict:
+    """What vLLM's own INFO lines say: KV cache bytes (vLLM's 2-decimal GiB), tokens and
+    concurrency, every sleep's freed / still-used GiB and every wake-up's seconds."""
+    out = {"kv_cache_bytes": None, "kv_cache_tokens": None, "max_model_len": None,
+           "max_concurrency": None, "sleeps": [], "wakes": []}
+    for line in lines:
+        if (m := KV_MEMORY.search(line)) and out["kv_cache_bytes"] is None:
+            out["kv_cache_bytes"] = int(float(m.group(1)) * GIB)
+        elif (m := KV_TOKENS.search(line)) and out["kv_cache_tokens"] is None:
+            out["kv_cache_tokens"] = int(m.group(1).replace(",", ""))
+            out["max_model_len"] = int(m.group(2).replace(",", ""))
+            out["max_concurrency"] = float(m.group(3))
+        elif m := SLEEP.search(line):
+            out["sleeps"].append({"freed_gib": float(m.group(1)), "in_use_gib": float(m.group(2))})
+        elif m := WAKE.search(line):
+            out["wakes"].append({"seconds": float(m.group(1)), "tags": m.group(2)})
+    return out
+
+
+def failure_line(lines) -> Optional[dict]:
+    """The first out-of-memory line of a run: {kind, line}; None when there is none."""
+    for line in lines:
+        for kind, pattern in FAILURES:
+            if pattern.search(line):
+                return {"kind": kind, "line": line.strip()[:600]}
+    return None
+
+
+class VllmLog(logging.Handler):
+    """vLLM's log records of this process (its loggers are children of "vllm"),
+    kept as text: each rank reads its own engine's lines, not the interleaved stdout.
+
+    Installed once vLLM is imported: importing it configures its logging with
+    dictConfig, which replaces the handlers of the "vllm" logger."""
+
+    def __init__(self):
+        super().__init__(level=logging.INFO)
+        self.lines: list = []
+
+    def emit(self, record):
+        try:
+            self.lines.append(record.getMessage())
+        except Exception:  # noqa: BLE001 - a record that cannot format is not ours to fix
+            pass
+
+    def install(self) -> "VllmLog":
+        vllm_logger = logging.getLogger("vllm")
+        if vllm_logger.getEffectiveLevel() > logging.INFO:  # unconfigured (CPU stand-in)
+            vllm_logger.setLevel(logging.INFO)
+        vllm_logger.addHandler(self)
+        return self
+
+
+# --- the model, built in code ----------------------------------------------------------
+VOCAB = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(4093)]
+
+
+def tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                   unk_token="<unk>")
+
+
+def build_model(args, folder: str):
+    """A random Qwen2 (seed 0), saved to ``folder`` in bf16 with its tokenizer (vLLM
+    loads it from there: trl hands vLLM ``model.name_or_path``), and loaded back in
+    fp32 for training, so that its name_or_path is ``folder``."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(VOCAB), hidden_size=args.hidden,
+                         num_hidden_layers=args.layers, intermediate_size=args.hidden * 11 // 4,
+                         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                         max_position_embeddings=args.max_model_len, pad_token_id=0,
+                         eos_token_id=1, bos_token_id=None, tie_word_embeddings=True)
+    os.makedirs(folder, exist_ok=True)
+    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    tokenizer().save_pretrained(folder)
+    return Qwen2ForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                            attn_implementation="sdpa")
+
+
+def dataset(words: int):
+    from datasets import Dataset
+
+    n = len(VOCAB) - 3
+    return Dataset.from_dict({"prompt": [" ".join(f"w{(i * 131 + j * 17) % n}" for j in range(words))
+                                         for i in range(1024)]})
+
+
+def reward(completions, **kwargs):
+    return [len(set(c.split())) / (1 + len(c.split())) for c in completions]
+
+
+def kv_bytes_per_token(args) -> int:
+    """K and V of every layer, bf16: what one cached token costs vLLM."""
+    return 2 * args.layers * args.kv_heads * (args.hidden // args.heads) * 2
+
+
+# --- a stand-in for vllm.LLM (CPU mode only) --------------------------------------------
+class _Logprob:
+    def __init__(self, value):
+        self.logprob, self.rank = value, 1
+
+
+class StandInLLM:
+    """What trl 1.16's VLLMGeneration calls on ``vllm.LLM`` in colocate mode, on CPU:
+    sleep/wake_up by tag, generate, reset_prefix_cache, and the model whose
+    ``load_weights`` trl's weight sync calls. It logs vLLM's KV-cache lines in vLLM
+    0.33's format from a cache sized like vLLM's (share x total - non-KV memory), so
+    the parsing below runs on this driver's real path, and refuses a share above the
+    free memory at start-up with vLLM's message, so the failure path does too."""
+
+    TOTAL = 80 * GIB  # the CPU mode's stand-in device (tests/gpu/common.STAND_IN_MEMORY)
+    NON_KV = 2 * GIB
+    BYTES_PER_TOKEN = 4096
+
+    def __init__(self, model, gpu_memory_utilization, max_model_len=None, enable_sleep_mode=False,
+                 **kwargs):
+        self.kwargs = dict(kwargs, model=model, enable_sleep_mode=enable_sleep_mode)
+        self.max_model_len = max_model_len or 2048
+        self.sleeping: set = set()
+        self.loaded = 0
+        log = logging.getLogger("vllm.stand_in")
+        import torch
+
+        free = torch.cuda.mem_get_info()[0]  # the CPU mode's stand-in device
+        requested = int(gpu_memory_utilization * self.TOTAL)
+        if free < requested:
+            raise ValueError(f"Free memory on device cpu ({round(free / GIB, 2)}/"
+                             f"{round(self.TOTAL / GIB, 2)} GiB) on startup is less than desired "
+                             f"GPU memory utilization ({gpu_memory_utilization}, "
+                             f"{round(requested / GIB, 2)} GiB). Decrease GPU memory utilization "
+                             "or reduce GPU memory used by other processes.")
+        kv = requested - self.NON_KV
+        tokens = kv // self.BYTES_PER_TOKEN
+        log.info("Available KV cache memory: %s GiB", f"{round(kv / GIB, 2)}")
+        log.info("%s KV cache size: %s tokens, Maximum concurrency for %s tokens per request: "
+                 "%.2fx", "GPU", f"{tokens:,}", f"{self.max_model_len:,}",
+                 tokens / self.max_model_len)
+        owner = self
+
+        class _Model:
+            def load_weights(self, weights):
+                owner.loaded += len(list(weights))
+
+        runner = types.SimpleNamespace(model=_Model())
+        self.llm_engine = types.SimpleNamespace(model_executor=types.SimpleNamespace(
+            driver_worker=types.SimpleNamespace(model_runner=runner)))
+
+    def sleep(self, level=1):
+        self.sleeping = {"weights", "kv_cache"}
+        logging.getLogger("vllm.stand_in").info(
+            "Sleep mode freed %s GiB memory, %s GiB memory is still in use.", "1.5", "3.0")
+
+    def wake_up(self, tags=None):
+        woken = set(tags) if tags else set(self.sleeping)
+        self.sleeping -= woken
+        logging.getLogger("vllm.stand_in").info("It took %.6f seconds to wake up tags %s.",
+                                                0.001, sorted(woken))
+
+    def reset_prefix_cache(self):
+        return True
+
+    def generate(self, prompts, sampling_params=None, use_tqdm=False):
+        if self.sleeping:
+            raise RuntimeError(f"generate while {sorted(self.sleeping)} sleep")
+        length = (sampling_params or {}).get("max_tokens", 4)
+        outputs = []
+        for i, p in enumerate(prompts):
+            ids = [3 + (sum(p["prompt_token_ids"]) + i * 5 + j * 3) % (len(VOCAB) - 3)
+                   for j in range(length)]
+            out = types.SimpleNamespace(token_ids=ids, logprobs=[{t: _Logprob(-1.0)} for t in ids])
+            outputs.append(types.SimpleNamespace(prompt_token_ids=p["prompt_token_ids"],
+                                                 outputs=[out]))
+        return outputs
+
+
+def note_vllm_start(out: dict, memory_now) -> None:
+    """Record, when trl builds ``vllm.LLM``, the GPU's free memory and whether the
+    default group's NCCL communicator exists yet: vLLM checks its share against the
+    free memory then, and torch creates communicators at a group's first collective
+    (accelerate passes no device_id), so memory that communicator takes later is not
+    in that check but is in the way of every KV wake-up. Asked of torch itself (the
+    CPU mode's fake NCCL would make one on being asked)."""
+    import torch.distributed as dist
+    import trl.generation.vllm_generation as module
+
+    from amem_callbacks.backends.nccl import torch_comm_handle
+
+    real = module.LLM
+
+    def build(*args, **kwargs):
+        handle, why = torch_comm_handle(dist.group.WORLD)
+        out["at_vllm_start"] = {"free_bytes": memory_now(), "world_communicator": bool(handle),
+                                "why_not": None if handle else why}
+        return real(*args, **kwargs)
+
+    module.LLM = build
+
+
+def use_stand_in_vllm() -> None:
+    """CPU mode: trl's VLLMGeneration builds StandInLLM where it would build vllm.LLM
+    (trl imports vLLM's names only when vLLM is installed)."""
+    import trl.generation.vllm_generation as module
+
+    module.is_vllm_available = lambda *args, **kwargs: True
+    module.LLM = StandInLLM
+    module.SamplingParams = lambda **kwargs: kwargs
+
+
+# --- what one rank records --------------------------------------------------------------
+class Recorder:
+    """The spies' shared state: the ordered events, the stage a failure happened in,
+    each generation's figures and the free-memory minimum of each phase."""
+
+    def __init__(self, device_memory):
+        self.events: list = []
+        self.stage = "set-up"
+        self.generations: list = []
+        self.pending: dict = {}  # the weight sync's figures, until its generation starts
+        self.phase = "train"
+        self.phase_min: dict = {}  # (phase, generation index) -> min free bytes seen
+        # () -> free bytes (GPU-wide) without a synchronize: cudaMemGetInfo counts
+        # allocations when they are made, and the sampler must not wait for the GPU
+        self._memory = device_memory
+        self._stop = threading.Event()
+        self._thread = None
+        self.reports = {"begin": [], "end": []}
+
+    def note(self, what: str, **extra) -> None:
+        self.events.append(dict(what=what, t=time.monotonic(), **extra))
+
+    def current(self) -> dict:
+        return self.generations[-1] if self.generations else self.pending
+
+    def generation_starts(self, step: int) -> dict:
+        """A new generation's record (at vLLM's KV wake-up), with the weight sync's
+        figures that came before it."""
+        self.generations.append(dict(self.pending, step=step))
+        self.pending = {}
+        return self.generations[-1]
+
+    def observe(self, free: Optional[int]) -> None:
+        """A reading taken by a spy: counts for the phase it was taken in (a phase
+        may be shorter than the sampler's period)."""
+        if free is not None:
+            key = (self.phase, len(self.generations))
+            self.phase_min[key] = min(free, self.phase_min.get(key, free))
+
+    def start_sampler(self, every_s: float = 0.02) -> None:
+        """Free device memory every ``every_s`` for the whole training: the minimum of
+        each generation and of the training between generations."""
+        def loop():
+            while not self._stop.wait(every_s):
+                self.observe(self._memory())
+
+        self._thread = threading.Thread(target=loop, name="trl-vllm-memory", daemon=True)
+        self._thread.start()
+
+    def stop_sampler(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+
+    def minima(self) -> list:
+        """Per generation index: the lowest free memory while generating, and while
+        training right after it."""
+        out = []
+        for index in range(1, len(self.generations) + 1):
+            out.append({"generation": index,
+                        "min_free_generating": self.phase_min.get(("generation", index)),
+                        "min_free_training_after": self.phase_min.get(("train", index))})
+        return out
+
+
+def spy(trainer, rec: Recorder, sync, synced_sleep: bool, memory_now) -> None:
+    """Wrap vLLM's wake_up, generate and sleep and trl's weight sync on this trainer
+    with plain functions: AMemCallback wraps wake_up and generate again at the first
+    generation (it skips a wrapper of its own kind only), so its begin runs before
+    these and the figures read here are taken after its suspends.
+
+    ``sync`` (a gloo group): barriers at the KV wake-up, so the GPU-wide free memory is
+    read with every rank at the same point, and (``synced_sleep``, ranks sharing a GPU)
+    before sleep, which asserts that the GPU's free memory rose: another rank's
+    wake-up at that moment would trip it."""
+    import torch.distributed as dist
+
+    vg = trainer.vllm_generation
+    llm = vg.llm
+    wake_up, generate, sleep, sync_weights = llm.wake_up, llm.generate, llm.sleep, vg.sync_weights
+
+    def timed(fn, *args, **kwargs):
+        began = time.monotonic()
+        result = fn(*args, **kwargs)
+        return result, time.monotonic() - began
+
+    def spied_sync_weights(*args, **kwargs):
+        rec.note("sync_weights")
+        rec.stage = "weight sync (vLLM weights wake-up, load_weights)"
+        _, seconds = timed(sync_weights, *args, **kwargs)
+        rec.pending["sync_weights_s"] = seconds
+
+    def spied_wake_up(*args, **kwargs):
+        tags = kwargs.get("tags", args[0] if args else None)
+        rec.note("wake_up", tags=list(tags) if tags else None)
+        kv = tags is None or "kv_cache" in tags
+        if kv:
+            gen = rec.generation_starts(trainer.state.global_step)
+            dist.barrier(group=sync)
+            gen["free_before_kv_wake"] = memory_now()
+            rec.stage = "vLLM KV-cache wake-up"
+        else:
+            gen = rec.pending
+            rec.stage = "vLLM weights wake-up"
+        result, seconds = timed(wake_up, *args, **kwargs)
+        gen["wake_kv_s" if kv else "wake_weights_s"] = seconds
+        if kv:
+            rec.phase = "generation"
+            gen["free_after_kv_wake"] = memory_now()
+            rec.observe(gen["free_after_kv_wake"])
+        return result
+
+    def spied_generate(*args, **kwargs):
+        rec.note("generate")
+        rec.stage = "vLLM generate"
+        outputs, seconds = timed(generate, *args, **kwargs)
+        tokens = sum(len(o.token_ids) for out in outputs for o in out.outputs)
+        gen = rec.current()
+        gen.update(generate_s=seconds, tokens=tokens, sequences=len(outputs),
+                   tokens_per_s=tokens / seconds if seconds > 0 else None,
+                   free_after_generate=memory_now())
+        rec.observe(gen["free_after_generate"])
+        return outputs
+
+    def spied_sleep(*args, **kwargs):
+        level = kwargs.get("level", args[0] if args else 1)
+        rec.note("sleep", level=level)
+        rec.phase = "train"
+        if synced_sleep:
+            dist.barrier(group=sync)
+        rec.stage = "vLLM sleep"
+        result, seconds = timed(sleep, *args, **kwargs)
+        rec.current()["sleep_s"] = seconds
+        rec.stage = "train"
+        return result
+
+    llm.wake_up, llm.generate, llm.sleep = spied_wake_up, spied_generate, spied_sleep
+    vg.sync_weights = spied_sync_weights
+
+
+def record_transitions(rec: Recorder) -> None:
+    """Every begin and end of the package's policies, as events and reports (class-wide:
+    the callback builds its policy at the first generation)."""
+    from amem_callbacks import OffloadPolicy
+
+    for kind in ("begin", "end"):
+        original = getattr(OffloadPolicy, kind)
+
+        def recorded(self, *args, _original=original, _kind=kind, **kwargs):
+            rec.note(_kind)
+            report = _original(self, *args, **kwargs)
+            rec.reports[_kind].append(report)
+            return report
+
+        setattr(OffloadPolicy, kind, recorded)
+
+
+class StepTimer:
+    """Wall time of each optimizer step (a generation included in every
+    ``steps_per_generation``-th), GPU work finished."""
+
+    def __init__(self, synchronize):
+        from transformers import TrainerCallback
+
+        timer = self
+
+        class _Callback(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                synchronize()
+                timer.start = time.perf_counter()
+
+            def on_step_end(self, args, state, control, **kwargs):
+                synchronize()
+                timer.steps.append(time.perf_counter() - timer.start)
+
+        self.steps, self.start, self.callback = [], 0.0, _Callback()
+
+
+def step_figures(seconds: list, steps_per_generation: int) -> dict:
+    """Medians of the steps that generate (every ``steps_per_generation``-th from the
+    first) and of the others, the first generation cycle (start-up warm-up) left out,
+    and the mean step after it."""
+    later = list(enumerate(seconds))[steps_per_generation:]
+    gen = [s for i, s in later if i % steps_per_generation == 0]
+    train = [s for i, s in later if i % steps_per_generation]
+    return {"generation_step_s": statistics.median(gen) if gen else None,
+            "train_step_s": statistics.median(train) if train else None,
+            "mean_step_s": statistics.mean(s for _i, s in later) if later else None}
+
+
+def amem_record(callback, rec: Recorder) -> Optional[dict]:
+    """What the package did on this rank: each begin and end, kept groups, the
+    headroom it told, its counters and the caller's waits."""
+    if callback is None or callback.session is None:
+        return None
+    callback.session.settle()
+
+    def rows(report):
+        return [{"name": g.name, "action": getattr(g.action, "value", str(g.action)),
+                 "reason": g.reason, "suspendable_bytes": g.suspendable_bytes,
+                 "seconds": g.seconds} for g in report.groups]
+
+    headroom = callback.session.headroom
+    return {"backend": callback.policy.backend_description, "inert": callback.policy.inert,
+            "kept": dict(callback.kept),
+            "begins": [{"nccl_bytes": r.nccl_bytes, "device_freed_bytes": r.device_freed_bytes,
+                        "device_shared_by": r.device_shared_by, "wall_s": r.wall_seconds,
+                        "seconds": r.total_seconds, "skipped": r.skipped, "groups": rows(r)}
+                       for r in rec.reports["begin"]],
+            "ends": [{"wall_s": r.wall_seconds, "seconds": r.total_seconds, "groups": rows(r)}
+                     for r in rec.reports["end"]],
+            "headroom": None if headroom is None else {
+                "setting": headroom.setting, "current": headroom.current,
+                "suggested": headroom.suggested, "freed_bytes": headroom.freed_bytes,
+                "total_bytes": headroom.total_bytes, "margin_bytes": headroom.margin_bytes,
+                "line": headroom.line()},
+            "waited": dict(callback.session.waited),
+            "counters": callback.policy.counters.as_dict()}
+
+
+def versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for package in ("torch", "vllm", "triton", "torchvision", "transformers", "accelerate",
+                    "trl", "datasets", "tokenizers"):
+        try:
+            out[package] = version(package)
+        except PackageNotFoundError:
+            out[package] = None
+    return out
+
+
+def code_identity(git_head: Optional[str]) -> dict:
+    """The commit (given, from the environment, or git's; the GPU machine's copy of the
+    tree has no .git) and the sha256 of the files this run's behaviour depends on."""
+    head = git_head or os.environ.get(GIT_HEAD_ENV)
+    if not head:
+        try:
+            head = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True,
+                                  text=True, timeout=10).stdout.strip() or None
+        except (OSError, subprocess.TimeoutExpired):
+            head = None
+    sums = {}
+    for rel in CODE_FILES:
+        try:
+            with open(os.path.join(ROOT, rel), "rb") as f:
+                sums[rel] = hashlib.sha256(f.read()).hexdigest()
+        except OSError:
+            sums[rel] = None
+    return {"git_head": head or "unknown: pass --git-head (the GPU machine's tree has no .git)",
+            "code_sha256": sums}
+
+
+def run_rank(args) -> int:
+    """One rank of one training run; writes ``{prefix}.rank{R}.json``. Returns 0, or 3
+    when the run failed (the JSON says where and how)."""
+    import torch
+    import torch.distributed as dist
+
+    from tests.gpu.common import ON_CPU, bind_device, cpu_notes, gloo_group, nccl_library, \
+        policy_backend, ranks_per_gpu
+
+    cpu = ON_CPU
+    log = VllmLog()
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    device = bind_device()  # on CPU: the torch.cuda stand-in the readings below use
+    if not cpu:  # accelerate and trl (for vLLM) read LOCAL_RANK: the GPU this rank shares
+        os.environ["LOCAL_RANK"] = str(device)
+    torch.manual_seed(0)
+
+    def free_now():
+        return torch.cuda.mem_get_info(device)[0]
+
+    def memory_now():  # after the work queued so far, as the allocation that follows sees it
+        torch.cuda.synchronize()
+        return free_now()
+
+    def synchronize():
+        if not cpu:
+            torch.cuda.synchronize()
+
+    rec = Recorder(free_now)
+    record_transitions(rec)
+    out = {"rank": rank, "world": world, "args": vars(args),
+           "command": os.environ.get(RUN_COMMAND_ENV) or "python3 -m torch.distributed.run "
+           f"--nproc-per-node {world} tests/gpu/trl_vllm_gpu.py " + shlex.join(sys.argv[1:]),
+           **code_identity(args.git_head), "versions": versions(),
+           "env": {k: os.environ.get(k) for k in (
+               "NCCL_MULTI_RANK_GPU_ENABLE", "NCCL_NVLS_ENABLE", "LD_PRELOAD", "PYTHONPATH",
+               "LOCAL_RANK", "WORLD_SIZE", "PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK")},
+           "failed": None}
+    callback = trainer = ballast = None
+    timer = StepTimer(synchronize)
+    try:
+        if cpu:
+            use_stand_in_vllm()
+        from trl import GRPOConfig, GRPOTrainer
+
+        if not cpu:
+            import vllm.logger  # noqa: F401 - its logging set-up first, then our handler
+        log.install()
+        note_vllm_start(out, memory_now)
+
+        from amem_callbacks.adapters.trl import AMemCallback
+        from amem_callbacks.groups import name_group, register_roles
+
+        register_roles([SYNC_ROLE])
+        rec.stage = "model build"
+        model = build_model(args, os.path.join(args.work, f"model-rank{rank}"))
+        out["gpu_total_bytes"] = None if cpu else torch.cuda.mem_get_info(device)[1]
+        if args.ballast_gib > 0 and not cpu:  # held for the whole run, like a training state
+            ballast = torch.empty(int(args.ballast_gib * GIB), dtype=torch.uint8,
+                                  device=f"cuda:{device}")
+        out["ballast_bytes"] = 0 if ballast is None else ballast.numel()
+        out["kv_bytes_per_token"] = kv_bytes_per_token(args)  # tokens <-> bytes of vLLM's cache
+        config = GRPOConfig(
+            output_dir=os.path.join(args.work, "out", f"rank{rank}"), bf16=not cpu, use_cpu=cpu,
+            use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=True,
+            vllm_gpu_memory_utilization=args.share, vllm_max_model_length=args.max_model_len,
+            per_device_train_batch_size=args.batch, steps_per_generation=args.steps_per_generation,
+            num_generations=args.num_generations, max_completion_length=args.completion_length,
+            max_steps=args.steps, logging_steps=1, report_to=[], save_strategy="no", seed=0,
+            learning_rate=1e-5, beta=0.0, disable_tqdm=True,
+            gradient_checkpointing=args.gradient_checkpointing,
+            # every completion full length (min_tokens), token ids only (trl decodes itself)
+            generation_kwargs={"min_tokens": args.completion_length, "detokenize": False})
+        callbacks = [timer.callback]
+        if args.amem:
+            callback = AMemCallback(backend=policy_backend("nccl"), keep=[SYNC_ROLE])
+            callbacks.append(callback)
+        rec.stage = "start-up (GRPOTrainer: vllm.LLM, its KV cache, its first sleep)"
+        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config,
+                              train_dataset=dataset(args.prompt_words),
+                              processing_class=tokenizer(), callbacks=callbacks)
+        sync = gloo_group()
+        name_group(sync, SYNC_ROLE)
+        shared = ranks_per_gpu() if not cpu else 1
+        out["ranks_on_gpu"] = shared
+        spy(trainer, rec, sync, synced_sleep=shared > 1, memory_now=memory_now)
+        rec.stage = "train"
+        rec.start_sampler()
+        trainer.train()
+        rec.stop_sampler()
+        logs = [h for h in trainer.state.log_history if "loss" in h]
+        out.update(loss=[h["loss"] for h in logs], grad_norm=[h.get("grad_norm") for h in logs],
+                   logged_amem_headroom=[h.get("amem/headroom/gpu_memory_utilization")
+                                         for h in logs])
+    except BaseException as exc:  # noqa: BLE001 - recorded, then the rank exits non-zero
+        rec.stop_sampler()
+        import traceback
+
+        text = "".join(traceback.format_exception(exc))
+        out["failed"] = {"stage": rec.stage, "error": f"{type(exc).__name__}: {exc}"[:1500],
+                         "oom": failure_line(text.splitlines() + log.lines),
+                         "traceback_tail": text[-4000:]}
+    out.update(vllm=parse_vllm_lines(log.lines), generations=rec.generations,
+               memory_minima=rec.minima(), step_seconds=timer.steps,
+               **step_figures(timer.steps, args.steps_per_generation),
+               events=[{k: v for k, v in e.items() if k != "t"} for e in rec.events],
+               amem=amem_record(callback, rec) if out["failed"] is None else None,
+               nccl=getattr(nccl_library(), "version_str", None),
+               device=None if cpu else torch.cuda.get_device_name(device), **cpu_notes())
+    out["vllm"]["lines"] = [line for line in log.lines if any(
+        p.search(line) for p in (KV_MEMORY, KV_TOKENS, SLEEP, WAKE))][:50]
+    path = f"{args.prefix}.rank{rank}.json"
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(out, f, indent=1, default=str)
+    os.replace(path + ".tmp", path)
+    if out["failed"] is not None:
+        print(f"rank {rank}: FAILED in {out['failed']['stage']}: {out['failed']['error'][:300]}",
+              flush=True)
+        return 3
+    if callback is not None:
+        callback.detach()
+    print(f"rank {rank}: KV cache {out['vllm']['kv_cache_tokens']} tokens, generation "
+          f"{[round(g.get('tokens_per_s') or 0) for g in rec.generations]} tokens/s", flush=True)
+    if dist.is_initialized():
+        dist.barrier(group=sync)
+    return 0
+
+
+# --- merging a run's ranks, and the orchestrator ---------------------------------------------
+def merge_run(prefix: str, log_lines=(), meta: Optional[dict] = None) -> dict:
+    """One run from its ranks' JSON (``prefix.rankN.json``) and its log: KV cache
+    (the smallest rank's, as vLLM's external launcher takes the minimum), generation
+    tokens/s (mean over ranks of each rank's mean after the first generation), step
+    figures (the slowest rank), losses (rank 0), what failed and its out-of-memory line."""
+    ranks = {}
+    folder = os.path.dirname(prefix) or "."
+    base = os.path.basename(prefix)
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
+        m = re.fullmatch(re.escape(base) + r"\.rank(\d+)\.json", name)
+        if m:
+            with open(os.path.join(folder, name)) as f:
+                ranks[int(m.group(1))] = json.load(f)
+    run = dict(meta or {})
+    failures = {r: d["failed"] for r, d in ranks.items() if d.get("failed")}
+    log_failure = failure_line(log_lines)
+    world = (meta or {}).get("ranks") or (max(ranks) + 1 if ranks else 0)
+    missing = [r for r in range(world) if r not in ranks]
+    rc, hung = run.get("rc"), run.get("hung")
+    ok = not failures and not missing and rc in (0, None) and not hung
+    oom = next((f["oom"] for f in failures.values() if f.get("oom")), None) or log_failure
+    run.update(ok=ok, ranks_reported=sorted(ranks), ranks_missing=missing,
+               failed=None if ok else {
+                   "stages": {r: f["stage"] for r, f in failures.items()},
+                   "errors": {r: f["error"][:400] for r, f in failures.items()},
+                   "oom": oom, "rc": rc, "hung": hung})
+
+    def values(key):
+        return [d.get(key) for d in ranks.values() if d.get(key) is not None]
+
+    kv = [d["vllm"]["kv_cache_bytes"] for d in ranks.values()
+          if (d.get("vllm") or {}).get("kv_cache_bytes") is not None]
+    tokens = [d["vllm"]["kv_cache_tokens"] for d in ranks.values()
+              if (d.get("vllm") or {}).get("kv_cache_tokens") is not None]
+    per_rank_rate = []
+    for d in ranks.values():
+        rates = [g["tokens_per_s"] for g in (d.get("generations") or [])[1:]
+                 if g.get("tokens_per_s")]
+        if rates:
+            per_rank_rate.append(statistics.mean(rates))
+    minima = [m["min_free_generating"] for d in ranks.values()
+              for m in (d.get("memory_minima") or [])[1:] if m.get("min_free_generating")]
+    train_minima = [m["min_free_training_after"] for d in ranks.values()
+                    for m in (d.get("memory_minima") or [])[1:] if m.get("min_free_training_after")]
+    first = ranks.get(min(ranks)) if ranks else {}
+    amem = [d["amem"] for d in ranks.values() if d.get("amem")]
+    headrooms = [a["headroom"] for a in amem if a.get("headroom")]
+    run.update(
+        kv_cache_bytes=min(kv) if kv else None, kv_cache_tokens=min(tokens) if tokens else None,
+        tokens_per_s=statistics.mean(per_rank_rate) if per_rank_rate else None,
+        generation_step_s=max(values("generation_step_s"), default=None),
+        train_step_s=max(values("train_step_s"), default=None),
+        mean_step_s=max(values("mean_step_s"), default=None),
+        loss=(first or {}).get("loss"),
+        min_free_generating=min(minima) if minima else None,
+        min_free_training=min(train_minima) if train_minima else None,
+        gpu_total_bytes=(first or {}).get("gpu_total_bytes"),
+        ranks_on_gpu=(first or {}).get("ranks_on_gpu"),
+        at_vllm_start=(first or {}).get("at_vllm_start"),
+        nccl_bytes=min((b["nccl_bytes"] for a in amem for b in a["begins"] if b["nccl_bytes"]),
+                       default=None),
+        headroom_suggested=min((h["suggested"] for h in headrooms), default=None),
+        headroom_line=headrooms[0]["line"] if headrooms else None,
+        versions=(first or {}).get("versions"), git_head=(first or {}).get("git_head"),
+        command=run.get("command") or (first or {}).get("command"))
+    return run
+
+
+def edge_plan(probe: dict, kv_target_gib: float, slack_gib: float, train_slack_gib: float = 1.0,
+              probe_share: float = TRL_DEFAULT_SHARE) -> dict:
+    """From a probe run without the package (share ``probe_share``, no ballast): the
+    share and the per-rank ballast that give vLLM a KV cache of ``kv_target_gib`` and
+    leave ``slack_gib`` of the GPU free while generating (``train_slack_gib`` while
+    training), as a share tuned to the edge of what fits without the package.
+
+    vLLM's cache is share x total less what the engine uses besides it, so it moves by
+    (share - probe_share) x total per rank; every rank on the GPU takes that and its
+    ballast from the GPU's free memory. When the ballast would be negative the share
+    is what the slack allows (the cache is then larger than asked)."""
+    n = probe.get("ranks_on_gpu") or 1
+    total, kv = probe.get("gpu_total_bytes"), probe.get("kv_cache_bytes")
+    gen, train = probe.get("min_free_generating"), probe.get("min_free_training")
+    if not all(isinstance(x, (int, float)) for x in (total, kv, gen, train)):
+        raise ValueError(f"the probe lacks a figure edge_plan needs: total {total}, KV {kv}, "
+                         f"free while generating {gen}, while training {train} (did it run "
+                         "two generations?)")
+    share = probe_share + (kv_target_gib * GIB - kv) / total
+    ballast = min((gen - n * (share - probe_share) * total - slack_gib * GIB) / n,
+                  (train - train_slack_gib * GIB) / n)
+    why = "the KV target"
+    if ballast < 0:
+        ballast = 0.0
+        share = probe_share + (gen - slack_gib * GIB) / (n * total)
+        why = "the slack (no ballast): the KV cache is larger than the target"
+    share = int(share * 10**4) / 10**4  # down: vLLM takes any float; the edge must fit
+    if share <= 0:
+        raise ValueError(f"no share fits: the probe left {gen / GIB:.2f} GiB free while "
+                         f"generating on {n} ranks; lower --slack-gib or --kv-target-gib")
+    return {"share": share, "ballast_gib": round(ballast / GIB, 3), "set_by": why,
+            "expected_kv_gib": round((kv + (share - probe_share) * total) / GIB, 3),
+            "ranks_on_gpu": n, "probe_share": probe_share}
+
+
+def raised_shares(default_amem: dict, share: float) -> dict:
+    """The raised shares to try, from the package's run at the default share:
+    ``headroom`` is what its headroom line recommends (amem/headroom/gpu_memory_utilization,
+    rounded down to 0.01 by the package); ``per_rank`` adds this rank's own suspended
+    bytes less the package's margin, to 1e-4 (on a shared GPU the headroom line counts
+    the bytes every rank freed for each rank's engine)."""
+    from amem_callbacks.headroom import DEFAULT_MARGIN_BYTES
+
+    out = {"headroom": default_amem.get("headroom_suggested"), "per_rank": None}
+    total, freed = default_amem.get("gpu_total_bytes"), default_amem.get("nccl_bytes")
+    if total and freed:
+        out["per_rank"] = int((share + max(0, freed - DEFAULT_MARGIN_BYTES) / total) * 10**4) / 10**4
+    return out
+
+
+def pair_order(index: int) -> tuple:
+    """ABBA: which of the pair runs first alternates, so neither always meets a
+    fresh or a warm machine."""
+    return (True, False) if index % 2 == 0 else (False, True)
+
+
+def plan_runs(state: dict, args) -> list:
+    """The runs still to make, in order, from what ``state`` holds: the probe, the
+    default pairs, then (once the package ran at the default share) the raised pairs.
+    Each: {name, share, amem, ballast_gib, variant}."""
+    runs = state.setdefault("runs", {})
+    todo = []
+    if args.share is None and "probe" not in runs:
+        return [{"name": "probe", "share": args.probe_share, "amem": False, "ballast_gib": 0.0,
+                 "variant": "probe"}]
+    if args.share is not None:
+        default, ballast = args.share, args.ballast_gib
+    else:
+        plan = state.get("edge") or edge_plan(runs["probe"], args.kv_target_gib, args.slack_gib,
+                                              probe_share=args.probe_share)
+        state["edge"] = plan
+        default, ballast = plan["share"], plan["ballast_gib"]
+    state["shares"] = dict(state.get("shares") or {}, default=default)
+    for i in range(args.pairs):
+        for amem in pair_order(i):
+            todo.append({"name": f"default-{'amem' if amem else 'base'}-{i}", "share": default,
+                         "amem": amem, "ballast_gib": ballast, "variant": "default"})
+    first_amem = runs.get("default-amem-0")
+    if first_amem and first_amem.get("ok"):
+        raised = raised_shares(first_amem, default)
+        seen = {default}
+        for variant in ("headroom", "per_rank"):
+            share = raised[variant]
+            state["shares"][f"raised_{variant}"] = share
+            if share is None or share in seen:
+                continue  # nothing to raise to, or the same run as another variant
+            seen.add(share)
+            for i in range(args.raised_pairs):
+                for amem in reversed(pair_order(i)):  # the run without the package first
+                    todo.append({"name": f"raised_{variant}-{'amem' if amem else 'base'}-{i}",
+                                 "share": share, "amem": amem, "ballast_gib": ballast,
+                                 "variant": f"raised_{variant}"})
+    return [r for r in todo if r["name"] not in runs]
+
+
+def summarise(state: dict) -> dict:
+    """The pairs side by side: per share variant, each run's KV cache, tokens/s, step
+    time and outcome; ratios against the default share's runs without the package; and
+    whether each raised share fails without the package (every run of it without the
+    package ran out of memory) and runs with it."""
+    runs = state.get("runs", {})
+    shares = state.get("shares", {})
+    by_variant: dict = {}
+    for name, run in runs.items():
+        by_variant.setdefault(run.get("variant", "?"), {"amem": [], "base": []})[
+            "amem" if run.get("amem") else "base"].append(name)
+    base_default = [runs[n] for n in by_variant.get("default", {}).get("base", []) if runs[n]["ok"]]
+
+    def mean_of(rows, key):
+        vals = [r[key] for r in rows if r.get(key) is not None]
+        return statistics.mean(vals) if vals else None
+
+    reference = {k: mean_of(base_default, k) for k in ("kv_cache_tokens", "tokens_per_s",
+                                                       "mean_step_s", "generation_step_s")}
+    variants = {}
+    for variant, names in sorted(by_variant.items()):
+        rows = {}
+        for side in ("amem", "base"):
+            for name in names[side]:
+                r = runs[name]
+                ratio = {k: (r[k] / reference[k] if r.get(k) and reference.get(k) else None)
+                         for k in reference}
+                rows[name] = {"amem": side == "amem", "share": r.get("share"), "ok": r["ok"],
+                              "kv_cache_tokens": r.get("kv_cache_tokens"),
+                              "kv_cache_gib": (r["kv_cache_bytes"] / GIB
+                                               if r.get("kv_cache_bytes") else None),
+                              "tokens_per_s": r.get("tokens_per_s"),
+                              "mean_step_s": r.get("mean_step_s"),
+                              "generation_step_s": r.get("generation_step_s"),
+                              "vs_default_without": ratio,
+                              "failed": r.get("failed")}
+        variants[variant] = rows
+    fails_without, runs_with, lines = {}, {}, {}
+    for variant in ("raised_headroom", "raised_per_rank"):
+        base = [runs[n] for n in by_variant.get(variant, {}).get("base", [])]
+        amem = [runs[n] for n in by_variant.get(variant, {}).get("amem", [])]
+        fails_without[variant] = (all(not r["ok"] and (r.get("failed") or {}).get("oom")
+                                      for r in base) if base else None)
+        runs_with[variant] = all(r["ok"] for r in amem) if amem else None
+        lines[variant] = [(r.get("failed") or {}).get("oom") for r in base + amem
+                          if not r["ok"]]
+    same_share_losses = {}
+    for variant, names in by_variant.items():
+        ok = [runs[n] for n in names["amem"] + names["base"] if runs[n]["ok"] and runs[n].get("loss")]
+        if len(ok) > 1:
+            same_share_losses[variant] = max(
+                abs(a - b) for r in ok[1:] for a, b in zip(r["loss"], ok[0]["loss"]))
+    return {"shares": shares, "edge": state.get("edge"), "variants": variants,
+            "reference_default_without": reference,
+            "raised_share_fails_without": fails_without.get("raised_headroom"),
+            "raised_share_fails_without_by_variant": fails_without,
+            "raised_share_runs_with": runs_with, "failure_lines": lines,
+            "max_loss_difference_at_one_share": same_share_losses,
+            "runs_done": sorted(runs), "runs_planned_next": state.get("next", [])}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def driver_flags(args) -> list:
+    """The ``run`` flags the orchestrator passes through to every run."""
+    return ["--steps", str(args.steps), "--batch", str(args.batch),
+            "--steps-per-generation", str(args.steps_per_generation),
+            "--num-generations", str(args.num_generations),
+            "--completion-length", str(args.completion_length),
+            "--max-model-len", str(args.max_model_len), "--prompt-words", str(args.prompt_words),
+            "--hidden", str(args.hidden), "--layers", str(args.layers), "--heads", str(args.heads),
+            "--kv-heads", str(args.kv_heads),
+            *(["--gradient-checkpointing"] if args.gradient_checkpointing else []),
+            *(["--git-head", args.git_head] if args.git_head else [])]
+
+
+def start_run(spec: dict, args, folder: str, env: dict):
+    """One bounded torchrun of ``run``; returns (process, argv, log path, started)."""
+    os.makedirs(folder, exist_ok=True)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.ranks),
+            "--master-port", str(free_port()), os.path.join("tests", "gpu", "trl_vllm_gpu.py"),
+            "run", os.path.join(folder, "rank"), "--share", str(spec["share"]),
+            "--amem" if spec["amem"] else "--no-amem", "--ballast-gib", str(spec["ballast_gib"]),
+            "--work", os.path.join(folder, "work"), *driver_flags(args)]
+    log_path = os.path.join(folder, "log.txt")
+    log = open(log_path, "w")
+    proc = subprocess.Popen(argv, cwd=ROOT, env=dict(env, **{RUN_COMMAND_ENV: shlex.join(argv)}),
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, argv, log_path, log
+
+
+def failed_ranks(folder: str) -> list:
+    """Ranks whose JSON (written whole, through a rename) says the run failed."""
+    out = []
+    for name in os.listdir(folder):
+        m = re.fullmatch(r"rank\.rank(\d+)\.json", name)
+        if m:
+            with open(os.path.join(folder, name)) as f:
+                if json.load(f).get("failed"):
+                    out.append(int(m.group(1)))
+    return out
+
+
+def wait_run(proc, folder: str, timeout_s: float, grace_s: float = 45) -> tuple:
+    """Exit code and whether it hung. A rank that failed writes its JSON and exits; its
+    peers may wait in a collective for it: ``grace_s`` later the run is ended."""
+    began, failed_at = time.monotonic(), None
+    while proc.poll() is None:
+        now = time.monotonic()
+        if failed_at is None and failed_ranks(folder):
+            failed_at = now
+        if now - began > timeout_s or (failed_at and now - failed_at > grace_s):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return proc.returncode, now - began > timeout_s
+        time.sleep(1)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # leftovers of the session (compile workers)
+    except ProcessLookupError:
+        pass
+    return proc.returncode, False
+
+
+def orchestrate(args) -> int:
+    """Make the runs ``plan_runs`` lists, one at a time, until none is left or the next
+    one would not end inside ``--budget-s``; the state (and so the next call's start) is
+    ``--state``/state.json; ``--out`` gets the summary and each run's merged JSON."""
+    from tests.gpu import vllm_bundle
+
+    os.makedirs(args.state, exist_ok=True)
+    state_path = os.path.join(args.state, "state.json")
+    state = json.load(open(state_path)) if os.path.isfile(state_path) else {}
+    env = vllm_bundle.environment()
+    began = time.monotonic()
+    while True:
+        todo = plan_runs(state, args)
+        state["next"] = [r["name"] for r in todo]
+        write_outputs(state, state_path, args.out)
+        if not todo:
+            print("all runs done")
+            return 0
+        spec = todo[0]
+        left = args.budget_s - (time.monotonic() - began)
+        estimate = state.get("estimate_s", args.run_timeout_s)
+        if left < min(estimate, args.run_timeout_s):
+            print(f"stopping: {left:.0f} s left of --budget-s, a run takes about {estimate:.0f} s; "
+                  f"run the same command again for: {', '.join(state['next'])}")
+            return 0
+        folder = os.path.join(args.state, "runs", spec["name"])
+        shutil.rmtree(folder, ignore_errors=True)  # a run cut off by the last call starts over
+        print(f"run {spec['name']}: share {spec['share']}, package {'on' if spec['amem'] else 'off'}, "
+              f"ballast {spec['ballast_gib']} GiB", flush=True)
+        started = time.monotonic()
+        proc, argv, log_path, log = start_run(spec, args, folder, env)
+        rc, hung = wait_run(proc, folder, min(args.run_timeout_s, left))
+        log.close()
+        lines = open(log_path, errors="replace").read().splitlines()
+        run = merge_run(os.path.join(folder, "rank"), lines,
+                        dict(spec, rc=rc, hung=hung, ranks=args.ranks, command=shlex.join(argv),
+                             seconds=round(time.monotonic() - started, 1)))
+        run["log_tail"] = "\n".join(lines[-40:])
+        state["runs"][spec["name"]] = run
+        if run["ok"]:  # the longest good run so far, with a margin, bounds the next start
+            state["estimate_s"] = max(state.get("estimate_s", 0), run["seconds"] * 1.15)
+        print(f"  {'ok' if run['ok'] else 'FAILED'}: KV {run['kv_cache_tokens']} tokens, "
+              f"{run['tokens_per_s'] and round(run['tokens_per_s'])} tokens/s"
+              + ("" if run["ok"] else f"; {run['failed']['oom']}"), flush=True)
+
+
+def write_outputs(state: dict, state_path: str, out: Optional[str]) -> None:
+    with open(state_path + ".tmp", "w") as f:
+        json.dump(state, f, indent=1, default=str)
+    os.replace(state_path + ".tmp", state_path)
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "summary.json"), "w") as f:
+            json.dump(summarise(state), f, indent=1, default=str)
+        with open(os.path.join(out, "runs.json"), "w") as f:
+            json.dump(state.get("runs", {}), f, indent=1, default=str)
+
+
+# --- the command line --------------------------------------------------------------------------
+def add_run_flags(p, *, orchestrator: bool) -> None:
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--batch", type=int, default=4, help="per_device_train_batch_size")
+    p.add_argument("--steps-per-generation", type=int, default=4,
+                   help="vLLM generates batch x this per rank at once (max_num_seqs)")
+    p.add_argument("--num-generations", type=int, default=8)
+    p.add_argument("--completion-length", type=int, default=1024)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--prompt-words", type=int, default=16)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True,
+                   help="training activations small next to vLLM's cache")
+    p.add_argument("--git-head", help="the commit this tree is (the GPU machine has no .git)")
+    if not orchestrator:
+        p.add_argument("--share", type=float, default=TRL_DEFAULT_SHARE,
+                       help="vllm_gpu_memory_utilization")
+        p.add_argument("--amem", action=argparse.BooleanOptionalAction, default=True,
+                       help="AMemCallback(backend='nccl') on (--no-amem: off)")
+        p.add_argument("--ballast-gib", type=float, default=0.0,
+                       help="device memory each rank holds for the whole run")
+        p.add_argument("--work", default="/tmp/amem-trl-vllm")
+
+
+def main(argv: Optional[list] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("run", help="one training run (under torchrun)")
+    p.add_argument("prefix", help="each rank writes PREFIX.rankN.json")
+    add_run_flags(p, orchestrator=False)
+    p = sub.add_parser("pairs", help="probe, then interleaved pairs at the default and raised shares")
+    p.add_argument("--state", default="/tmp/trl-vllm")
+    p.add_argument("--out", default=os.environ.get("OUT"))
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--share", type=float, help="the default share (skips the probe)")
+    p.add_argument("--ballast-gib", type=float, default=0.0, help="with --share")
+    p.add_argument("--probe-share", type=float, default=TRL_DEFAULT_SHARE)
+    p.add_argument("--kv-target-gib", type=float, default=1.0)
+    p.add_argument("--slack-gib", type=float, default=0.5,
+                   help="free GPU memory left while generating at the default share")
+    p.add_argument("--pairs", type=int, default=2)
+    p.add_argument("--raised-pairs", type=int, default=1)
+    p.add_argument("--run-timeout-s", type=float, default=420)
+    p.add_argument("--budget-s", type=float, default=540, help="stop starting runs past this")
+    add_run_flags(p, orchestrator=True)
+    p = sub.add_parser("merge", help="one run's rank JSON files into one")
+    p.add_argument("prefix")
+    p.add_argument("--log")
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        return run_rank(args)
+    if args.command == "pairs":
+        return orchestrate(args)
+    lines = open(args.log, errors="replace").read().splitlines() if args.log else []
+    print(json.dumps(merge_run(args.prefix, lines), indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,381 @@
+"""tests/gpu/trl_vllm_gpu.py (issue 34) on CPU: its own code, before it meets a GPU.
+
+- vLLM's log lines it reads (KV cache size, sleep, wake-up, out of memory), on
+  sample lines written in vLLM 0.33.0's format strings;
+- its CPU mode (tests/gpu/common.py: gloo, the fake NCCL behind AMemCallback, a
+  stand-in for ``vllm.LLM`` under trl 1.16's real VLLMGeneration and GRPOTrainer):
+  the order of trl's weight sync, vLLM's wake-ups, generate and sleep around the
+  callback's begin and end, what each rank writes, and a run refused at start-up;
+- the orchestrator: the edge share from a probe, the raised shares, the ABBA plan,
+  the merge of a run's ranks and the summary (``raised_share_fails_without``), on
+  synthetic records and once end to end through torchrun on CPU.
+
+Device memory and time are not judged here (the stand-in's device is constant).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from tests.gpu import common  # noqa: E402
+from tests.gpu import trl_vllm_gpu as drv  # noqa: E402
+
+GIB = 2**30
+DRIVER = os.path.join("tests", "gpu", "trl_vllm_gpu.py")
+TINY = ["--steps", "4", "--batch", "2", "--steps-per-generation", "2", "--num-generations", "4",
+        "--completion-length", "8", "--max-model-len", "64", "--prompt-words", "4",
+        "--hidden", "64", "--layers", "1", "--heads", "4", "--kv-heads", "2"]
+LIMIT_S = 500
+
+# Sample lines in vLLM 0.33.0's formats (the format strings of gpu_worker.py,
+# kv_cache_utils.py, executor/abstract.py, cumem_allocator and torch's allocator),
+# with the prefixes its logger and an exception traceback put in front.
+SAMPLES = [
+    "INFO 12-02 09:14:01 [gpu_worker.py:773] Available KV cache memory: 1.02 GiB",
+    "INFO 12-02 09:14:01 [kv_cache_utils.py:1148] GPU KV cache size: 10,880 tokens, Maximum "
+    "concurrency for 2,048 tokens per request: 5.31x",
+    "INFO 12-02 09:14:09 [gpu_worker.py:336] Sleep mode freed 2.65 GiB memory, 63.20 GiB memory "
+    "is still in use.",
+    "INFO 12-02 09:14:30 [abstract.py:426] It took 0.412345 seconds to wake up tags ['weights'].",
+    "INFO 12-02 09:14:31 [abstract.py:426] It took 0.098765 seconds to wake up tags ['kv_cache'].",
+    "INFO 12-02 09:14:40 [gpu_worker.py:336] Sleep mode freed 2.61 GiB memory, 63.24 GiB memory "
+    "is still in use.",
+    # info_once in vLLM; a second engine in the process would log its own: the first counts
+    "INFO 12-02 09:15:01 [gpu_worker.py:773] Available KV cache memory: 9.99 GiB",
+]
+OOM_SAMPLES = {
+    "cuMem out of memory (sleep-mode wake-up)":
+        "RuntimeError: CUDA Error: out of memory at /workspace/csrc/cumem_allocator.cpp:62",
+    "start-up: free memory below the share":
+        "ValueError: Free memory on device cuda:0 (40.5/139.8 GiB) on startup is less than "
+        "desired GPU memory utilization (0.45, 62.91 GiB). Decrease GPU memory utilization or "
+        "reduce GPU memory used by other processes.",
+    "start-up: no memory for the KV cache":
+        "ValueError: No available memory for the cache blocks. Try increasing "
+        "`gpu_memory_utilization` when initializing the engine.",
+    "torch out of memory":
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a "
+        "total capacity of 139.81 GiB of which 1.20 GiB is free.",
+}
+
+
+# --- vLLM's lines -----------------------------------------------------------------------
+def test_vllm_lines_give_the_kv_cache_sleeps_and_wake_ups():
+    got = drv.parse_vllm_lines(SAMPLES)
+    assert got["kv_cache_bytes"] == int(1.02 * GIB)
+    assert (got["kv_cache_tokens"], got["max_model_len"], got["max_concurrency"]) == \
+        (10880, 2048, 5.31)
+    assert got["sleeps"] == [{"freed_gib": 2.65, "in_use_gib": 63.2},
+                             {"freed_gib": 2.61, "in_use_gib": 63.24}]
+    assert got["wakes"] == [{"seconds": 0.412345, "tags": "['weights']"},
+                            {"seconds": 0.098765, "tags": "['kv_cache']"}]
+    assert drv.parse_vllm_lines(["nothing of vLLM's"])["kv_cache_tokens"] is None
+
+
+@pytest.mark.parametrize("kind", sorted(OOM_SAMPLES))
+def test_each_out_of_memory_line_is_named(kind):
+    lines = SAMPLES[:3] + ["Traceback (most recent call last):", OOM_SAMPLES[kind]]
+    assert drv.failure_line(lines) == {"kind": kind, "line": OOM_SAMPLES[kind]}
+
+
+def test_no_out_of_memory_line_is_none():
+    assert drv.failure_line(SAMPLES + ["RuntimeError: NCCL error: unhandled system error"]) is None
+
+
+# --- the orchestrator's arithmetic --------------------------------------------------------
+PROBE = {"ranks_on_gpu": 2, "gpu_total_bytes": 140 * GIB, "kv_cache_bytes": 39 * GIB,
+         "min_free_generating": 42 * GIB, "min_free_training": 120 * GIB}
+
+
+def test_edge_plan_gives_the_kv_target_and_the_slack():
+    plan = drv.edge_plan(PROBE, kv_target_gib=1.0, slack_gib=0.5, probe_share=0.3)
+    share, ballast = plan["share"], plan["ballast_gib"] * GIB
+    assert plan["set_by"] == "the KV target" and plan["ranks_on_gpu"] == 2
+    assert share == round(share, 4) and 0 < share < 0.3
+    kv = 39 * GIB + (share - 0.3) * 140 * GIB
+    assert abs(kv - 1 * GIB) < 0.02 * GIB and abs(plan["expected_kv_gib"] - kv / GIB) < 1e-3
+    generating = 42 * GIB - 2 * (share - 0.3) * 140 * GIB - 2 * ballast
+    assert 0.5 * GIB - 0.01 * GIB < generating < 0.5 * GIB + 0.04 * GIB  # share rounded down
+    assert 120 * GIB - 2 * ballast >= 1 * GIB
+
+
+def test_edge_plan_without_room_for_a_ballast_sets_the_share_by_the_slack():
+    probe = dict(PROBE, min_free_generating=3 * GIB)
+    plan = drv.edge_plan(probe, kv_target_gib=60.0, slack_gib=0.5, probe_share=0.3)
+    assert plan["ballast_gib"] == 0 and "the slack" in plan["set_by"]
+    assert plan["share"] == int((0.3 + 2.5 / 280) * 10**4) / 10**4
+
+
+def test_edge_plan_refuses_a_probe_without_its_figures_and_a_share_that_cannot_fit():
+    with pytest.raises(ValueError, match="did it run two generations"):
+        drv.edge_plan(dict(PROBE, min_free_generating=None), 1.0, 0.5)
+    with pytest.raises(ValueError, match="no share fits"):
+        drv.edge_plan(dict(PROBE, min_free_generating=0), 60.0, 0.5, probe_share=0.001)
+
+
+def test_raised_shares_are_the_headroom_line_and_the_per_rank_figure():
+    from amem_callbacks.headroom import DEFAULT_MARGIN_BYTES
+
+    amem = {"headroom_suggested": 0.04, "gpu_total_bytes": 140 * GIB,
+            "nccl_bytes": int(1.15 * GIB)}
+    got = drv.raised_shares(amem, 0.0286)
+    assert got["headroom"] == 0.04
+    assert got["per_rank"] == int((0.0286 + (int(1.15 * GIB) - DEFAULT_MARGIN_BYTES)
+                                   / (140 * GIB)) * 10**4) / 10**4 == 0.0332
+    assert drv.raised_shares({"headroom_suggested": None}, 0.3) == {"headroom": None,
+                                                                   "per_rank": None}
+
+
+def plan_args(**kw):
+    base = dict(share=None, ballast_gib=0.0, probe_share=0.3, kv_target_gib=1.0, slack_gib=0.5,
+                pairs=2, raised_pairs=1)
+    return argparse.Namespace(**dict(base, **kw))
+
+
+def test_the_plan_probes_then_runs_abba_pairs_then_the_raised_shares_without_first():
+    state = {}
+    assert [r["name"] for r in drv.plan_runs(state, plan_args())] == ["probe"]
+    state["runs"] = {"probe": dict(PROBE, ok=True)}
+    todo = drv.plan_runs(state, plan_args())
+    assert [r["name"] for r in todo] == ["default-amem-0", "default-base-0", "default-base-1",
+                                         "default-amem-1"]
+    assert len({r["share"] for r in todo}) == 1 and state["edge"]["share"] == todo[0]["share"]
+    assert todo[0]["ballast_gib"] == state["edge"]["ballast_gib"] > 0
+    default = todo[0]["share"]
+    state["runs"]["default-amem-0"] = {"ok": True, "headroom_suggested": 0.04,
+                                       "gpu_total_bytes": 140 * GIB, "nccl_bytes": int(1.15 * GIB)}
+    todo = drv.plan_runs(state, plan_args())
+    names = [r["name"] for r in todo]
+    assert names == ["default-base-0", "default-base-1", "default-amem-1",
+                     "raised_headroom-base-0", "raised_headroom-amem-0",
+                     "raised_per_rank-base-0", "raised_per_rank-amem-0"]
+    assert state["shares"] == {"default": default, "raised_headroom": 0.04,
+                               "raised_per_rank": drv.raised_shares(
+                                   state["runs"]["default-amem-0"], default)["per_rank"]}
+    # the headroom line suggested no raise: only the per-rank figure is tried
+    state["runs"]["default-amem-0"]["headroom_suggested"] = default
+    assert not [r for r in drv.plan_runs(state, plan_args()) if "headroom" in r["name"]]
+
+
+def test_the_plan_with_a_given_share_skips_the_probe():
+    todo = drv.plan_runs({}, plan_args(share=0.25, ballast_gib=3.0, pairs=1))
+    assert [(r["name"], r["share"], r["ballast_gib"]) for r in todo] == [
+        ("default-amem-0", 0.25, 3.0), ("default-base-0", 0.25, 3.0)]
+
+
+def run_row(variant, amem, ok=True, **kw):
+    row = {"variant": variant, "amem": amem, "ok": ok, "share": kw.pop("share", 0.03),
+           "kv_cache_tokens": 10000, "kv_cache_bytes": GIB, "tokens_per_s": 1000.0,
+           "mean_step_s": 2.0, "generation_step_s": 5.0, "loss": [0.1, 0.2], "failed": None}
+    row.update(kw)
+    return row
+
+
+def test_the_summary_says_whether_the_raised_share_fails_without_the_package():
+    oom = {"kind": "cuMem out of memory (sleep-mode wake-up)", "line": "CUDA Error: out of memory at"}
+    state = {"shares": {"default": 0.03, "raised_headroom": 0.04, "raised_per_rank": 0.0332},
+             "runs": {
+                 "default-amem-0": run_row("default", True),
+                 "default-base-0": run_row("default", False, loss=[0.1, 0.25]),
+                 "raised_headroom-base-0": run_row("raised_headroom", False, ok=False,
+                                                   failed={"oom": oom}, kv_cache_tokens=None),
+                 "raised_headroom-amem-0": run_row("raised_headroom", True, share=0.04,
+                                                   kv_cache_tokens=15000, tokens_per_s=1300.0),
+                 "raised_per_rank-base-0": run_row("raised_per_rank", False),  # fitted anyway
+             }}
+    got = drv.summarise(state)
+    assert got["raised_share_fails_without"] is True
+    assert got["raised_share_fails_without_by_variant"] == {"raised_headroom": True,
+                                                            "raised_per_rank": False}
+    assert got["raised_share_runs_with"] == {"raised_headroom": True, "raised_per_rank": None}
+    assert got["failure_lines"]["raised_headroom"] == [oom]
+    row = got["variants"]["raised_headroom"]["raised_headroom-amem-0"]
+    assert row["vs_default_without"]["kv_cache_tokens"] == 1.5
+    assert row["vs_default_without"]["tokens_per_s"] == 1.3
+    assert got["max_loss_difference_at_one_share"]["default"] == pytest.approx(0.05)
+    # a raised run without the package that died for another reason is no OOM verdict
+    state["runs"]["raised_headroom-base-0"]["failed"] = {"oom": None, "hung": True}
+    assert drv.summarise(state)["raised_share_fails_without"] is False
+    assert drv.summarise({"runs": {}})["raised_share_fails_without"] is None
+
+
+def test_step_figures_leave_the_first_cycle_out():
+    got = drv.step_figures([9.0, 1.0, 5.0, 1.2, 6.0, 1.4], steps_per_generation=2)
+    assert got == pytest.approx({"generation_step_s": 5.5, "train_step_s": 1.3, "mean_step_s": 3.4})
+
+
+# --- CPU runs: the driver's own code on trl's real classes -----------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_env() -> dict:
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
+               TOKENIZERS_PARALLELISM="false", **{common.CPU_ENV: "1"})
+    env.pop("AMEM_TEST_MUTATE", None)
+    return env
+
+
+def start_ranks(prefix: str, flags: list, work: str) -> list:
+    """Two ranks of ``run`` with torchrun's variables, no torchrun."""
+    port, procs = free_port(), []
+    for rank in range(2):
+        env = dict(cpu_env(), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                   LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        log = open(f"{prefix}.{rank}.log", "w")
+        procs.append(subprocess.Popen([sys.executable, DRIVER, "run", prefix, *flags, *TINY,
+                                       "--work", work], cwd=ROOT, env=env, stdout=log,
+                                      stderr=subprocess.STDOUT, start_new_session=True))
+    return procs
+
+
+def wait_all(procs: list) -> list:
+    deadline = time.monotonic() + LIMIT_S
+    for p in procs:
+        try:
+            p.wait(max(1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+    return [p.wait() for p in procs]
+
+
+@pytest.fixture(scope="module")
+def cpu_runs(tmp_path_factory, fake_nccl_dir):
+    """The orchestrator (one pair at share 0.25, through torchrun) and, beside it, a run
+    at a share the stand-in's device cannot hold (refused at start-up), started together
+    (two cores)."""
+    tmp = tmp_path_factory.mktemp("trl-vllm")
+    state, out = str(tmp / "state"), str(tmp / "out")
+    orchestrator = subprocess.Popen(
+        [sys.executable, DRIVER, "pairs", "--state", state, "--out", out, "--share", "0.25",
+         "--pairs", "1", "--raised-pairs", "1", "--run-timeout-s", "400", "--budget-s", "480",
+         *TINY], cwd=ROOT, env=cpu_env(), stdout=open(tmp / "pairs.log", "w"),
+        stderr=subprocess.STDOUT, start_new_session=True)
+    refused = start_ranks(str(tmp / "refused"), ["--share", "0.6", "--amem"], str(tmp / "work"))
+    codes = {"pairs": wait_all([orchestrator])[0], "refused": wait_all(refused)}
+    return {"tmp": tmp, "state": state, "out": out, "codes": codes}
+
+
+def log_of(res, name: str) -> str:
+    return open(res["tmp"] / name, errors="replace").read()[-8000:]
+
+
+def rank_json(res, run: str, rank: int) -> dict:
+    with open(os.path.join(res["state"], "runs", run, f"rank.rank{rank}.json")) as f:
+        return json.load(f)
+
+
+def test_the_orchestrator_runs_the_pair_in_order_and_writes_the_summary(cpu_runs):
+    assert cpu_runs["codes"]["pairs"] == 0, log_of(cpu_runs, "pairs.log")
+    summary = json.load(open(os.path.join(cpu_runs["out"], "summary.json")))
+    runs = json.load(open(os.path.join(cpu_runs["out"], "runs.json")))
+    assert list(runs) == ["default-amem-0", "default-base-0"]  # ABBA's first pair: A first
+    assert all(r["ok"] for r in runs.values()), {n: r.get("failed") for n, r in runs.items()}
+    assert summary["runs_done"] == ["default-amem-0", "default-base-0"]
+    assert summary["runs_planned_next"] == []
+    # on CPU the package knows no GPU total, so there is no raised share to try
+    assert summary["shares"] == {"default": 0.25, "raised_headroom": None, "raised_per_rank": None}
+    assert summary["raised_share_fails_without"] is None
+    for name, run in runs.items():
+        assert re.search(r"torch\.distributed\.run --nproc-per-node 2 --master-port \d+ "
+                         + re.escape(DRIVER) + r" run \S+ --share 0\.25 --"
+                         + ("amem" if run["amem"] else "no-amem"), run["command"])
+        assert run["kv_cache_tokens"] == (int(0.25 * 80 * GIB) - 2 * GIB) // 4096
+        row = summary["variants"]["default"][name]
+        assert row["vs_default_without"]["kv_cache_tokens"] == 1.0
+
+
+def test_trl_syncs_weights_then_the_begin_comes_before_the_kv_wake_up_and_the_end_after_sleep(
+        cpu_runs):
+    """trl 1.16's own order under the callback: its weight sync wakes vLLM's weights
+    with every group active; the begin (its suspends waited for) comes before vLLM
+    maps its KV cache; the end (the first accelerator gather) after vLLM slept."""
+    per_generation = [("sync_weights", None), ("wake_up", ["weights"]), ("begin", None),
+                      ("wake_up", ["kv_cache"]), ("generate", None), ("sleep", 2), ("end", None)]
+    for rank in range(2):
+        got = [(e["what"], e.get("tags", e.get("level"))) for e in
+               rank_json(cpu_runs, "default-amem-0", rank)["events"]]
+        assert got == per_generation * 2
+        base = [(e["what"], e.get("tags", e.get("level"))) for e in
+                rank_json(cpu_runs, "default-base-0", rank)["events"]]
+        assert base == [e for e in per_generation if e[0] not in ("begin", "end")] * 2
+
+
+def test_each_rank_records_the_package_vllm_and_the_run(cpu_runs):
+    for rank in range(2):
+        got = rank_json(cpu_runs, "default-amem-0", rank)
+        assert got["failed"] is None and got["rank"] == rank and got["world"] == 2
+        amem = got["amem"]
+        assert not amem["inert"] and len(amem["begins"]) == len(amem["ends"]) == 2
+        for begin in amem["begins"]:
+            actions = {g["name"]: g["action"] for g in begin["groups"]}
+            assert actions["world"] == "suspended" and actions[drv.SYNC_ROLE] == "kept"
+            assert begin["nccl_bytes"] > 0
+        assert amem["counters"]["amem/total/auto_resumes"] == 0
+        assert amem["waited"]["start"] > 0
+        assert got["vllm"]["kv_cache_bytes"] == int(0.25 * 80 * GIB) - 2 * GIB
+        assert len(got["vllm"]["sleeps"]) == 3  # after start-up, then after each generation
+        gens = got["generations"]
+        assert [g["step"] for g in gens] == [0, 2]
+        assert all(g["tokens"] == 2 * 2 * 8 and g["sequences"] == 4 for g in gens)
+        assert all(g["free_before_kv_wake"] == common.STAND_IN_MEMORY[0] for g in gens)
+        assert all("sync_weights_s" in g and "wake_kv_s" in g and "sleep_s" in g for g in gens)
+        assert len(got["step_seconds"]) == 4 and len(got["loss"]) == 4
+        assert got["mode"].startswith("cpu") and got["versions"]["trl"] == "1.16.0"
+        assert re.fullmatch(r"[0-9a-f]{40}", got["git_head"])
+        with open(os.path.join(ROOT, DRIVER), "rb") as f:
+            assert got["code_sha256"][DRIVER] == hashlib.sha256(f.read()).hexdigest()
+        assert got["args"]["share"] == 0.25 and got["args"]["amem"] is True
+        # read when trl builds vllm.LLM (on a GPU: whether the default group's
+        # communicator exists by then; on CPU torch has none to tell of)
+        assert got["at_vllm_start"] == {"free_bytes": common.STAND_IN_MEMORY[0],
+                                        "world_communicator": False, "why_not": "no CUDA device"}
+        assert rank_json(cpu_runs, "default-base-0", rank)["amem"] is None
+
+
+def test_a_share_the_device_cannot_hold_fails_at_start_up_with_vllms_line(cpu_runs):
+    assert cpu_runs["codes"]["refused"] == [3, 3], log_of(cpu_runs, "refused.0.log")
+    prefix = str(cpu_runs["tmp"] / "refused")
+    for rank in range(2):
+        with open(f"{prefix}.rank{rank}.json") as f:
+            failed = json.load(f)["failed"]
+        assert failed["stage"].startswith("start-up")
+        assert failed["oom"]["kind"] == "start-up: free memory below the share"
+        assert "(0.6, 48.0 GiB)" in failed["oom"]["line"]
+    run = drv.merge_run(prefix, meta={"ranks": 2, "rc": 1})
+    assert not run["ok"] and run["failed"]["oom"]["kind"] == "start-up: free memory below the share"
+    assert set(run["failed"]["stages"]) == {0, 1}
+
+
+def test_merge_counts_a_rank_that_wrote_nothing_and_reads_its_line_from_the_log(cpu_runs, tmp_path):
+    prefix = str(tmp_path / "rank")
+    with open(os.path.join(cpu_runs["state"], "runs", "default-amem-0", "rank.rank0.json")) as f:
+        rank0 = json.load(f)
+    with open(f"{prefix}.rank0.json", "w") as f:
+        json.dump(rank0, f)
+    lines = ["[rank1]: RuntimeError: CUDA Error: out of memory at csrc/cumem_allocator.cpp:62"]
+    run = drv.merge_run(prefix, lines, {"ranks": 2, "rc": -9, "hung": False})
+    assert not run["ok"] and run["ranks_missing"] == [1]
+    assert run["failed"]["oom"]["kind"] == "cuMem out of memory (sleep-mode wake-up)"
+    assert run["kv_cache_bytes"] == rank0["vllm"]["kv_cache_bytes"]
+    whole = drv.merge_run(os.path.join(cpu_runs["state"], "runs", "default-amem-0", "rank"),
+                          meta={"ranks": 2, "rc": 0})
+    assert whole["ok"] and whole["ranks_reported"] == [0, 1] and whole["nccl_bytes"] > 0
+    assert whole["loss"] == rank0["loss"]
