@@ -307,6 +307,21 @@ def note_vllm_start(out: dict, memory_now) -> None:
     module.LLM = build
 
 
+def import_callback():
+    """AMemCallback, also from a tree that is not pip-installed (the GPU machine's
+    copy): there the repository's adapters/ folder is amem_callbacks.adapters."""
+    try:
+        from amem_callbacks.adapters.trl import AMemCallback
+    except ImportError:
+        import adapters
+        import amem_callbacks
+
+        amem_callbacks.adapters = adapters
+        sys.modules["amem_callbacks.adapters"] = adapters
+        from amem_callbacks.adapters.trl import AMemCallback
+    return AMemCallback
+
+
 def use_stand_in_vllm() -> None:
     """CPU mode: trl's VLLMGeneration builds StandInLLM where it would build vllm.LLM
     (trl imports vLLM's names only when vLLM is installed)."""
@@ -622,8 +637,9 @@ def run_rank(args) -> int:
         log.install()
         note_vllm_start(out, memory_now)
 
-        from amem_callbacks.adapters.trl import AMemCallback
         from amem_callbacks.groups import name_group, register_roles
+
+        AMemCallback = import_callback()
 
         register_roles([SYNC_ROLE])
         rec.stage = "model build"

@@ -589,9 +589,12 @@ def check(site: str = SITE, python: str = sys.executable, timeout_s: float = 300
         raise SystemExit(f"the check did not finish (rc {done.returncode}):\n"
                          f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     result = json.loads(lines[-1])
+    # several ranks on one GPU need NCCL >= 2.30 (the preloaded 2.30.7, code 23007),
+    # not the image's 2.28.9 that torch 2.14 would otherwise load from sys.path
     result["ok"] = (all(row["ok"] for row in result["imports"].values())
                     and not [r for r in result["unmet"] if r[3] is None]
-                    and str(result["versions"].get("torch", "")).startswith("2.14.0"))
+                    and str(result["versions"].get("torch", "")).startswith("2.14.0")
+                    and (result.get("nccl_loaded") or 0) >= 23000)
     return result
 
 
