@@ -346,8 +346,18 @@ def test_each_rank_records_the_package_vllm_and_the_run(cpu_runs):
         # read when trl builds vllm.LLM (on a GPU: whether the default group's
         # communicator exists by then; on CPU torch has none to tell of)
         assert got["at_vllm_start"] == {"free_bytes": common.STAND_IN_MEMORY[0],
-                                        "world_communicator": False, "why_not": "no CUDA device"}
+                                        "world_communicator": False, "why_not": "no CUDA device",
+                                        "first_sleep_synced": True}
         assert rank_json(cpu_runs, "default-base-0", rank)["amem"] is None
+
+
+def test_ranks_take_vllms_start_up_measurements_one_after_the_other(cpu_runs):
+    """Rank 1 snapshots the free memory only once rank 0's profiling is over (what
+    ranks sharing a GPU do; the CPU mode takes the same turns on the stand-in)."""
+    for run in ("default-amem-0", "default-base-0"):
+        first, second = (rank_json(cpu_runs, run, r)["vllm_turns"] for r in range(2))
+        assert first["snapshot_at"] <= first["profiled_at"] <= second["snapshot_at"] \
+            <= second["profiled_at"]
 
 
 def test_a_share_the_device_cannot_hold_fails_at_start_up_with_vllms_line(cpu_runs):

@@ -232,7 +232,7 @@ class StandInLLM:
         log = logging.getLogger("vllm.stand_in")
         import torch
 
-        free = torch.cuda.mem_get_info()[0]  # the CPU mode's stand-in device
+        free = self.memory_snapshot()
         requested = int(gpu_memory_utilization * self.TOTAL)
         if free < requested:
             raise ValueError(f"Free memory on device cpu ({round(free / GIB, 2)}/"
@@ -240,7 +240,7 @@ class StandInLLM:
                              f"GPU memory utilization ({gpu_memory_utilization}, "
                              f"{round(requested / GIB, 2)} GiB). Decrease GPU memory utilization "
                              "or reduce GPU memory used by other processes.")
-        kv = requested - self.NON_KV
+        kv = self.determine_available_memory(requested)
         tokens = kv // self.BYTES_PER_TOKEN
         log.info("Available KV cache memory: %s GiB", f"{round(kv / GIB, 2)}")
         log.info("%s KV cache size: %s tokens, Maximum concurrency for %s tokens per request: "
@@ -255,6 +255,18 @@ class StandInLLM:
         runner = types.SimpleNamespace(model=_Model())
         self.llm_engine = types.SimpleNamespace(model_executor=types.SimpleNamespace(
             driver_worker=types.SimpleNamespace(model_runner=runner)))
+
+    def memory_snapshot(self) -> int:
+        """Where vLLM takes its start-up snapshot of the free memory (gpu_worker's
+        MemorySnapshot): take_turns waits here."""
+        import torch
+
+        return torch.cuda.mem_get_info()[0]  # the CPU mode's stand-in device
+
+    def determine_available_memory(self, requested: int) -> int:
+        """Where vLLM's profiling ends (before its external launcher's MIN over
+        ranks): take_turns signals the next rank here."""
+        return requested - self.NON_KV
 
     def sleep(self, level=1):
         self.sleeping = {"weights", "kv_cache"}
@@ -284,13 +296,19 @@ class StandInLLM:
         return outputs
 
 
-def note_vllm_start(out: dict, memory_now) -> None:
+def note_vllm_start(out: dict, memory_now, store=None, world: int = 1) -> None:
     """Record, when trl builds ``vllm.LLM``, the GPU's free memory and whether the
     default group's NCCL communicator exists yet: vLLM checks its share against the
     free memory then, and torch creates communicators at a group's first collective
     (accelerate passes no device_id), so memory that communicator takes later is not
     in that check but is in the way of every KV wake-up. Asked of torch itself (the
-    CPU mode's fake NCCL would make one on being asked)."""
+    CPU mode's fake NCCL would make one on being asked).
+
+    ``store`` (ranks sharing a GPU): the engine trl puts to sleep right after building
+    it sleeps only once every rank's engine is built, through the c10d store (a
+    collective there would create the default group's communicator): vLLM asserts
+    that the GPU's free memory rose across a sleep, and a rank still capturing CUDA
+    graphs beside it could make it fall."""
     import torch.distributed as dist
     import trl.generation.vllm_generation as module
 
@@ -302,9 +320,88 @@ def note_vllm_start(out: dict, memory_now) -> None:
         handle, why = torch_comm_handle(dist.group.WORLD)
         out["at_vllm_start"] = {"free_bytes": memory_now(), "world_communicator": bool(handle),
                                 "why_not": None if handle else why}
-        return real(*args, **kwargs)
+        try:
+            llm = real(*args, **kwargs)
+        except BaseException:
+            if store is not None:  # failed before its profiling ended: let the next rank try
+                signal_profiled(store, dist.get_rank())
+            raise
+        if store is not None:
+            sleep = llm.sleep
+
+            def first_sleep(*a, **k):
+                llm.sleep = sleep  # once: later sleeps are the spies' to sync
+                store_barrier(store, "first-sleep", dist.get_rank(), world)
+                out["at_vllm_start"]["first_sleep_synced"] = True
+                return sleep(*a, **k)
+
+            llm.sleep = first_sleep
+        return llm
 
     module.LLM = build
+
+
+STORE_PREFIX = "amem-trl-vllm/"
+
+
+def store_barrier(store, name: str, rank: int, world: int, timeout_s: float = 900) -> None:
+    """Every rank reached ``name``, through the c10d store (no NCCL)."""
+    from datetime import timedelta
+
+    store.set(f"{STORE_PREFIX}{name}/{rank}", "1")
+    store.wait([f"{STORE_PREFIX}{name}/{r}" for r in range(world)], timedelta(seconds=timeout_s))
+
+
+def signal_profiled(store, rank: int) -> None:
+    store.set(f"{STORE_PREFIX}profiled/{rank}", "1")
+
+
+def take_turns(store, rank: int, record: dict, snapshot=None, profile=None,
+               timeout_s: float = 900) -> None:
+    """Ranks sharing a GPU measure vLLM's start-up memory one after the other.
+
+    vLLM's worker snapshots the free memory after its distributed set-up and sizes
+    the KV cache from what its profiling run adds to it, assuming nobody else on
+    the GPU allocates or frees meanwhile (it asserts the free memory did not grow:
+    vLLM ``v1/worker/gpu_worker.py:727``); on a GPU several ranks share, a
+    neighbour's weights or released profiling buffers land in that window. So rank
+    r takes its snapshot once rank r-1's profiling is over (rank r-1 then waits in
+    the external launcher's MIN over ranks, where rank r joins it): no collective
+    is waited for out of order. ``snapshot`` and ``profile`` are (owner, name) of
+    the two steps: vLLM's ``MemorySnapshot`` in gpu_worker and ``Executor.
+    determine_available_memory`` (what the external launcher's override calls
+    first), or the CPU stand-in's."""
+    import time as clock
+    from datetime import timedelta
+
+    if snapshot is None:
+        import vllm.v1.worker.gpu_worker as gpu_worker
+        from vllm.v1.executor.abstract import Executor
+
+        snapshot, profile = (gpu_worker, "MemorySnapshot"), (Executor, "determine_available_memory")
+    owner, name = snapshot
+    take = getattr(owner, name)
+    waited = []
+
+    def taken(*args, **kwargs):
+        if not waited and rank > 0:  # the start-up snapshot: the first one taken
+            store.wait([f"{STORE_PREFIX}profiled/{rank - 1}"], timedelta(seconds=timeout_s))
+        waited.append(True)
+        record.setdefault("snapshot_at", clock.time())
+        return take(*args, **kwargs)
+
+    setattr(owner, name, taken)
+    owner, name = profile
+    measure = getattr(owner, name)
+
+    def measured(*args, **kwargs):
+        try:
+            return measure(*args, **kwargs)
+        finally:  # also after a failure: the next rank must not wait for ever
+            record.setdefault("profiled_at", clock.time())
+            signal_profiled(store, rank)
+
+    setattr(owner, name, measured)
 
 
 def import_callback():
@@ -635,7 +732,6 @@ def run_rank(args) -> int:
         if not cpu:
             import vllm.logger  # noqa: F401 - its logging set-up first, then our handler
         log.install()
-        note_vllm_start(out, memory_now)
 
         from amem_callbacks.groups import name_group, register_roles
 
@@ -661,6 +757,18 @@ def run_rank(args) -> int:
             gradient_checkpointing=args.gradient_checkpointing,
             # every completion full length (min_tokens), token ids only (trl decodes itself)
             generation_kwargs={"min_tokens": args.completion_length, "detokenize": False})
+        # Ranks sharing a GPU (and the CPU mode, so that this code runs somewhere
+        # before a GPU): vLLM's start-up measurements one rank at a time.
+        _ = config.device  # accelerate starts torch.distributed here: the store exists now
+        shared = ranks_per_gpu() if not cpu else 1
+        store = None
+        if world > 1 and (shared > 1 or cpu):
+            store = dist.distributed_c10d._get_default_store()
+            out["vllm_turns"] = {}
+            take_turns(store, rank, out["vllm_turns"], *(
+                ((StandInLLM, "memory_snapshot"), (StandInLLM, "determine_available_memory"))
+                if cpu else ()))
+        note_vllm_start(out, memory_now, store, world)
         callbacks = [timer.callback]
         if args.amem:
             callback = AMemCallback(backend=policy_backend("nccl"), keep=[SYNC_ROLE])
@@ -671,7 +779,6 @@ def run_rank(args) -> int:
                               processing_class=tokenizer(), callbacks=callbacks)
         sync = gloo_group()
         name_group(sync, SYNC_ROLE)
-        shared = ranks_per_gpu() if not cpu else 1
         out["ranks_on_gpu"] = shared
         spy(trainer, rec, sync, synced_sleep=shared > 1, memory_now=memory_now)
         rec.stage = "train"

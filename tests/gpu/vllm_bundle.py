@@ -54,7 +54,7 @@ CALL_LIMIT = 64 * 2**20
 #: the part size the field notes name; smaller when the tree leaves less room
 PART_CAP = 62 * 10**6
 #: left free under CALL_LIMIT: the tree may grow a little between here and there
-MARGIN = 2**20
+MARGIN = 2 * 2**20
 _BUF = 1 << 20
 
 # --- what travels -------------------------------------------------------------------
