@@ -5,6 +5,10 @@
 #
 #   bash tests/gpu/bundle_vllm.sh            # downloads from PyPI (about 1.2 GB)
 #   WHEELS_FROM=DIR bash tests/gpu/bundle_vllm.sh   # copies the wheels from DIR instead
+#   WHEELS_FROM=.gpu/vllm-wheels bash tests/gpu/bundle_vllm.sh   # re-cut only (offline)
+#
+# Re-cut right before the device calls: the part size is what a call carries
+# beside the working tree as it is now (tests/gpu/vllm_bundle.py part_bytes_for).
 #
 # What travels and why: CARRIED in tests/gpu/vllm_bundle.py (vLLM, torch 2.14.0,
 # triton 3.8.0, torchvision 0.29.0, trl, datasets and the small packages vLLM imports
@@ -24,7 +28,9 @@ NCCL_VERSION=2.30.7
 mkdir -p "$WHEELS"
 
 mapfile -t PINS < <(python3 tests/gpu/vllm_bundle.py pins)
-if [[ -n "${WHEELS_FROM:-}" ]]; then
+if [[ -n "${WHEELS_FROM:-}" && "$(realpath "$WHEELS_FROM")" == "$(realpath "$WHEELS")" ]]; then
+    :  # the downloads are already where they go: only the checks and the cut below
+elif [[ -n "${WHEELS_FROM:-}" ]]; then
     for pin in "${PINS[@]}"; do
         name=${pin%%==*}; version=${pin##*==}
         file=$(ls "$WHEELS_FROM"/"${name//-/_}"-"$version"-*.whl "$WHEELS_FROM"/"$name"-"$version"-*.whl \

@@ -37,6 +37,12 @@ share, the headroom line counts every rank's freed memory for each rank's
 engine). The summary (``summary.json``; key ``raised_share_fails_without``) goes
 to ``--out`` after every run.
 
+Ranks sharing a GPU: vLLM's start-up measures the GPU's free memory and assumes
+nobody else changes it meanwhile, and its sleep asserts that the free memory
+rose; so the ranks take their start-up measurements in turn (``take_turns``) and
+meet, through the c10d store or a gloo group (never an NCCL collective the
+experiment did not have), before each sleep and KV wake-up.
+
 CPU mode (``AMEM_GPU_DRIVER_ON_CPU=1``, tests/gpu/common.py; what
 tests/test_trl_vllm_driver.py runs): gloo, the fake NCCL behind the callback and
 a stand-in for ``vllm.LLM`` (it logs vLLM's KV-cache lines in vLLM's format) under
