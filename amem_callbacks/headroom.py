@@ -51,14 +51,19 @@ class Headroom:
                 p + "gpu_memory_utilization_now": self.current}
 
 
+#: the suggestion is rounded down to this step: vLLM takes any float, and 0.01 of
+#: an H200 (1.4 GiB) is more than one DDP communicator frees
+STEP = 1e-4
+
+
 def vllm_headroom(setting: str, current: float, freed_bytes: int, total_bytes: int,
                   margin_bytes: int = DEFAULT_MARGIN_BYTES) -> Optional[Headroom]:
-    """The utilisation ``current`` plus the freed share, rounded down to 0.01;
-    None when a figure is missing."""
+    """The utilisation ``current`` plus the freed share, rounded down to
+    :data:`STEP`; None when a figure is missing."""
     if not total_bytes or current is None or freed_bytes is None:
         return None
     usable = max(0, freed_bytes - margin_bytes)
-    suggested = math.floor((current + usable / total_bytes) * 100) / 100
+    suggested = round(math.floor((current + usable / total_bytes) / STEP) * STEP, 4)
     suggested = max(current, min(CEILING, suggested))
     return Headroom(setting, float(current), suggested, int(freed_bytes), int(total_bytes),
                     int(margin_bytes))
@@ -74,13 +79,12 @@ def tell(setting: str, current: Optional[float], report, device: Optional[int]):
 
 
 def freed_on_this_gpu(report) -> Optional[int]:
-    """The bytes a begin freed on this rank's GPU: NCCL's account of this rank's
-    groups when the rank has the GPU to itself; the device-wide reading when
-    several ranks share it (each rank's suspends free memory on the same GPU)."""
+    """The bytes this rank's begin freed for this rank's own engine: NCCL's
+    account of this rank's groups. On a GPU shared by several ranks each has
+    its own vLLM engine and its own share, so each may take only what its own
+    suspends freed (the device-wide reading would hand every rank all of it)."""
     if report is None or report.skipped:
         return None
-    if report.device_shared_by > 1 and report.device_freed_bytes is not None:
-        return max(0, report.device_freed_bytes)
     return report.nccl_bytes
 
 

@@ -272,6 +272,6 @@ def test_the_first_begin_says_how_far_the_rollouts_share_of_the_gpu_can_go():
         now, metrics = session["utilization_now"], session["metrics"]
         freed = metrics["amem/headroom/freed_bytes"]
         assert freed == metrics["amem/begin/nccl_bytes"] > 0
-        expected = int((now + (freed - 512 * 2**20) / (80 * 2**30)) * 100) / 100
+        expected = int((now + (freed - 512 * 2**20) / (80 * 2**30)) * 10**4) / 10**4
         assert metrics["amem/headroom/gpu_memory_utilization"] == max(now, expected)
         assert "actor_rollout_ref.rollout.gpu_memory_utilization" in session["headroom_line"]
