@@ -69,11 +69,21 @@ def command(ranks: int, port: int, prefix: str, work: str, amem: bool, flags: li
                              *flags])
 
 
-class Run:
-    """One bounded torchrun; ``wait`` returns the outcome as a dict."""
+#: what a run that ran out of device memory logs (torch's message); such a run is
+#: stopped once it is seen: the old control logged it and then never exited
+OOM = "out of memory"
+OOM_MARKS = ("CUDA out of memory", "torch.OutOfMemoryError")
 
-    def __init__(self, name: str, argv: list, log: str, timeout_s: float, env: dict):
+
+class Run:
+    """One bounded torchrun; ``wait`` returns the outcome as a dict. It is stopped
+    ``grace_s`` after its log first says a rank ran out of device memory (the other
+    rank has then logged its own failure, or waits in a collective for ever)."""
+
+    def __init__(self, name: str, argv: list, log: str, timeout_s: float, env: dict,
+                 grace_s: float = 10.0, poll_s: float = 1.0):
         self.name, self.argv, self.log, self.timeout_s = name, argv, log, timeout_s
+        self.grace_s, self.poll_s = grace_s, poll_s
         self.start = time.monotonic()
         self._log = open(log, "w")
         # A new session: rank 0's servers (coordinator, HTTP) die with the run.
@@ -81,21 +91,46 @@ class Run:
                                      stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait(self) -> dict:
-        left = self.timeout_s - (time.monotonic() - self.start)
-        try:
-            rc = self.proc.wait(max(1.0, left))
-            hung = False
-        except subprocess.TimeoutExpired:
-            rc, hung = None, True
+        deadline, stop_at, stopped, read = self.start + self.timeout_s, None, None, 0
+        while True:
+            rc = self.proc.poll()
+            now = time.monotonic()
+            if rc is not None:
+                hung = False
+                break
+            if now >= deadline or (stop_at is not None and now >= stop_at):
+                rc, hung = None, stop_at is None
+                break
+            if stop_at is None:
+                read, seen = _scan(self.log, read, OOM_MARKS)
+                if seen:
+                    stopped, stop_at = OOM, now + self.grace_s
+            time.sleep(min(self.poll_s, max(0.0, deadline - now)))
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         self.proc.wait()
         self._log.close()
-        return {"name": self.name, "rc": rc, "hung": hung,
-                "seconds": round(time.monotonic() - self.start, 1),
-                "command": " ".join(self.argv), "log": self.log, "tail": tail(self.log)}
+        outcome = {"name": self.name, "rc": rc, "hung": hung,
+                   "seconds": round(time.monotonic() - self.start, 1),
+                   "command": " ".join(self.argv), "log": self.log, "tail": tail(self.log)}
+        if stopped:
+            outcome["stopped"] = stopped
+        return outcome
+
+
+def _scan(path: str, offset: int, marks: tuple) -> tuple:
+    """(new offset, whether the log's text from ``offset`` on holds one of ``marks``);
+    reads back a little so a mark cut by the last read is still found."""
+    start = max(0, offset - 64)
+    try:
+        with open(path, "rb") as f:
+            f.seek(start)
+            data = f.read()
+    except OSError:
+        return offset, False
+    return start + len(data), any(mark.encode() in data for mark in marks)
 
 
 def tail(path: str, lines: int = 25) -> str:
