@@ -10,8 +10,11 @@ handing over to it, it:
 - maps ``LOCAL_RANK`` to the shared GPU;
 - records what the comparison needs:
   - each iteration's loss dict and times;
-  - the free device memory at the moment the engine allocates its KV cache;
-  - what the amem controller did.
+  - the free device memory at each KV-cache allocation (the launch, every
+    rollout's resume, and with ``--rl-amem-grow-kv-cache`` a regrow mid-rollout),
+    with what the package had freed by then;
+  - every engine step: its times, tokens, and how full the engine was;
+  - what the amem controller did (its KV growth decisions and figures included).
 
 Each rank writes ``PREFIX.rankN.json`` just before Megatron's shutdown hard-exits
 the process. ``--merge`` compares the runs.
@@ -72,8 +75,15 @@ TINY = """
 """.split()
 
 _patches = Patches()  # test-side wrappers around Megatron (the loop itself is untouched)
-_record = {"iterations": [], "rollouts": [], "kv_cache_allocations": [], "errors": [],
-           "generations": [], "events": [], "memory_trace": []}
+
+
+def new_record() -> dict:
+    """What a rank records, empty (one per process; tests start one per simulated run)."""
+    return {"iterations": [], "rollouts": [], "kv_cache_allocations": [], "errors": [],
+            "generations": [], "events": [], "memory_trace": [], "engine_steps": []}
+
+
+_record = new_record()
 
 
 # --- set-up before Megatron is imported ----------------------------------
@@ -163,76 +173,167 @@ def register_agent() -> None:
     registry.AGENT_REGISTRY[AGENT[0]] = AGENT[1]
 
 
-def install_probes(prefix: str) -> None:
+#: the fields of each ``engine_steps`` row (one per engine step, every rank)
+STEP_FIELDS = ("began", "ended", "tokens", "active", "paused", "waiting", "max_requests",
+               "blocks", "free_blocks")
+
+
+def _iteration() -> int:
+    from megatron.training.global_vars import get_args
+    return getattr(get_args(), "curr_iteration", -1)
+
+
+def _device_memory() -> tuple:
+    """(free, total, torch reserved) bytes of this rank's device, after a sync."""
     import torch
-    from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
-    from megatron.rl import rl_utils
-    from megatron.training import training
 
-    def iteration() -> int:
-        from megatron.training.global_vars import get_args
-        return getattr(get_args(), "curr_iteration", -1)
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    return free, total, torch.cuda.memory_reserved()
 
-    def kv_alloc(context, *args, **kwargs):
-        if not context.is_tensor_state_allocated:
-            torch.cuda.synchronize()
-            free, total = torch.cuda.mem_get_info()
-            _record["kv_cache_allocations"].append(
-                {"iteration": iteration(), "free_bytes": free, "total_bytes": total,
-                 "torch_reserved_bytes": torch.cuda.memory_reserved(),
-                 "rollout_active": _amem_active()})
 
-    def kv_allocated(result, context, *args, **kwargs):
-        allocation = _record["kv_cache_allocations"][-1] if _record["kv_cache_allocations"] \
-            else None
-        buffer = getattr(context, "memory_buffer", None)
-        if allocation is not None and "kv_bytes" not in allocation and buffer is not None:
-            allocator = getattr(context, "kv_block_allocator", None)
-            allocation.update(kv_bytes=buffer.numel() * buffer.element_size(),
-                              blocks=getattr(allocator, "total_count", None),
-                              block_tokens=getattr(context, "block_size_tokens", None),
-                              max_requests=getattr(context, "max_requests", None))
-            mark("kv_allocated")
+def _amem_freed() -> dict:
+    """What the package's running begin has freed on this rank so far (its own
+    account, never blocking), for comparing free memory at a KV allocation; empty
+    without the package."""
+    controller = _controller()
+    session = getattr(controller, "session", None) if controller is not None else None
+    if session is None or not controller.active:
+        return {}
+    freed = session.freed()
+    return {"amem_freed_bytes": freed.nbytes, "amem_suspends_done": freed.done}
 
-    def generated(original, *args, **kwargs):
+
+def kv_alloc(context, *args, **kwargs) -> None:
+    """Before ``initialize_all_tensors``: the free memory the allocation finds. In
+    recompute mode it runs at the launch, at every rollout's resume and at a regrow
+    mid-rollout (the engine's own suspend and resume), so one rollout may hold two."""
+    if not context.is_tensor_state_allocated:
+        free, total, reserved = _device_memory()
+        _record["kv_cache_allocations"].append(
+            {"iteration": _iteration(), "at": time.monotonic(), "free_bytes": free,
+             "total_bytes": total, "torch_reserved_bytes": reserved,
+             "rollout_active": _amem_active(), **_amem_freed()})
+
+
+def kv_allocated(result, context, *args, **kwargs) -> None:
+    """After it: the cache's size, blocks and the requests it runs at once."""
+    allocation = _record["kv_cache_allocations"][-1] if _record["kv_cache_allocations"] \
+        else None
+    buffer = getattr(context, "memory_buffer", None)
+    if allocation is not None and "kv_bytes" not in allocation and buffer is not None:
+        allocator = getattr(context, "kv_block_allocator", None)
+        allocation.update(kv_bytes=buffer.numel() * buffer.element_size(),
+                          blocks=getattr(allocator, "total_count", None),
+                          block_tokens=getattr(context, "block_size_tokens", None),
+                          max_requests=getattr(context, "max_requests", None),
+                          allocated_at=time.monotonic())
+        mark("kv_allocated")
+
+
+def rollouts_probe(inner, stop_after: int = 0, prefix: str = ""):
+    """``get_environment_rollouts`` timed and counted; with ``stop_after``, the
+    process writes its record and exits once that many rollouts are back (a run
+    that needs no training after them: every rank holds the rollouts then)."""
+    def generated(*args, **kwargs):
         mark("rollouts_asked")
-        result, start, seconds = timed(original, *args, **kwargs)
+        start = time.monotonic()
+        result = inner(*args, **kwargs)
+        seconds = time.monotonic() - start
         tokens, evictions, count = _count_tokens(result)
-        _record["generations"].append({"iteration": iteration(), "start": start,
+        _record["generations"].append({"iteration": _iteration(), "start": start,
                                        "seconds": seconds, "generated_tokens": tokens,
                                        "rollouts": count, "evictions": evictions})
         mark("rollouts_back")
+        if stop_after and len(_record["generations"]) >= stop_after:
+            write_record(prefix)
+            _exit(0)
+        return result
+    return generated
+
+
+def _exit(code: int) -> None:
+    os._exit(code)  # Megatron's own shutdown ends so too; rank 0's servers die with the run
+
+
+def probe_engine_steps(engine_cls) -> None:
+    """Every engine step (``async_step``, the boundary the package also wraps), on
+    every rank: its times, the tokens it produced and how full the engine was. A
+    plain function, not a marked wrapper: the package's hook wraps this method too
+    and refuses a marked one (either may come first)."""
+    inner = engine_cls.async_step
+
+    async def async_step(self, *args, **kwargs):
+        began = time.monotonic()
+        result = await inner(self, *args, **kwargs)
+        record_step(self, began, time.monotonic(), result)
         return result
 
-    def timed(original, *args, **kwargs):
-        start = time.monotonic()
-        result = original(*args, **kwargs)
-        return result, start, time.monotonic() - start
+    async_step.__wrapped__ = inner
+    engine_cls.async_step = async_step
 
-    def rollout(original, *args, **kwargs):
-        result, start, seconds = timed(original, *args, **kwargs)
-        _record["rollouts"].append({"iteration": iteration(), "start": start, "seconds": seconds})
-        return result
 
-    def train_step(original, *args, **kwargs):
-        result, _, seconds = timed(original, *args, **kwargs)
-        _record.setdefault("train_step_seconds", []).append(seconds)
-        return result
+def record_step(engine, began: float, ended: float, result) -> None:
+    """One ``engine_steps`` row (STEP_FIELDS). Tokens are counted as the package's
+    meter counts them (a token per request that ran: the step's still-active and
+    finished requests), written here so that a run without the package imports none
+    of it; a CPU test keeps the two equal."""
+    context = engine.context
+    tokens = 0
+    if isinstance(result, dict):
+        tokens = len(result.get("active_request_ids") or ()) + len(
+            result.get("finished_request_records") or ())
+    total = getattr(context, "total_request_count", 0)
+    paused = getattr(context, "paused_request_count", 0)
+    allocator = getattr(context, "kv_block_allocator", None)
+    _record["engine_steps"].append(
+        [began, ended, tokens, total - paused, paused,
+         len(getattr(engine, "waiting_request_ids", ()) or ()),
+         getattr(context, "max_requests", 0), getattr(allocator, "total_count", 0),
+         getattr(allocator, "total_avail", 0)])
 
-    def training_log(loss_dict, total_loss_dict, learning_rate, iteration_, *args, **kwargs):
-        _record["iterations"].append({
-            "iteration": iteration_, "time": time.monotonic(),
-            "loss": {k: _number(v) for k, v in loss_dict.items()},
-            # training_log(loss_dict, total, lr, iteration, loss_scale, report_memory_flag,
-            #              skipped_iter, grad_norm, ...)
-            "grad_norm": _number(args[3] if len(args) > 3 else kwargs.get("grad_norm"))})
 
+def _timed(original, *args, **kwargs):
+    start = time.monotonic()
+    result = original(*args, **kwargs)
+    return result, start, time.monotonic() - start
+
+
+def rollout(original, *args, **kwargs):
+    result, start, seconds = _timed(original, *args, **kwargs)
+    _record["rollouts"].append({"iteration": _iteration(), "start": start, "seconds": seconds})
+    return result
+
+
+def train_step(original, *args, **kwargs):
+    result, _, seconds = _timed(original, *args, **kwargs)
+    _record.setdefault("train_step_seconds", []).append(seconds)
+    return result
+
+
+def training_log(loss_dict, total_loss_dict, learning_rate, iteration_, *args, **kwargs):
+    _record["iterations"].append({
+        "iteration": iteration_, "time": time.monotonic(),
+        "loss": {k: _number(v) for k, v in loss_dict.items()},
+        # training_log(loss_dict, total, lr, iteration, loss_scale, report_memory_flag,
+        #              skipped_iter, grad_norm, ...)
+        "grad_norm": _number(args[3] if len(args) > 3 else kwargs.get("grad_norm"))})
+
+
+def install_probes(prefix: str, stop_after: int = 0) -> None:
+    from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
+    from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
+    from megatron.rl import rl_utils
+    from megatron.training import training
+
+    _record["engine_step_fields"] = list(STEP_FIELDS)
     _patches.wrap(DynamicInferenceContext, "initialize_all_tensors", before=kv_alloc,
                   after=kv_allocated, required=True)
     # The adapter wraps this function too (its early begin): Patches refuses a second
     # wrapper of one attribute, so the probe goes around whatever is there.
-    inner = rl_utils.get_environment_rollouts
-    rl_utils.get_environment_rollouts = lambda *a, **k: generated(inner, *a, **k)
+    rl_utils.get_environment_rollouts = rollouts_probe(rl_utils.get_environment_rollouts,
+                                                       stop_after, prefix)
+    probe_engine_steps(DynamicInferenceEngine)
     _patches.wrap(rl_utils, "get_grpo_data_iterator", rollout, required=True)
     _patches.wrap(training, "train_step", train_step, required=True)
     _patches.wrap(training, "training_log", before=training_log, required=True)
@@ -262,21 +363,31 @@ def mark(event: str) -> None:
     _record["events"].append((event, time.monotonic()))
 
 
-def start_memory_trace(interval_s: float) -> None:
-    """Rank 0 samples the GPU's free memory (the whole device: every rank's use)."""
+def start_memory_trace(interval_s: float, read_free=None):
+    """Rank 0 samples the GPU's free memory (the whole device: every rank's use);
+    ``read_free()``: the free bytes (default: CUDA's, of this rank's device). Returns
+    an event that stops the sampling."""
     import threading
 
-    import torch
+    if read_free is None:
+        import torch
 
-    device = torch.cuda.current_device()
+        device = torch.cuda.current_device()
+        _record.setdefault("gpu_total_bytes", torch.cuda.mem_get_info()[1])  # for "in use"
+
+        def read_free():
+            torch.cuda.set_device(device)  # the sampling thread's own current device
+            return torch.cuda.mem_get_info()[0]
+
+    stop = threading.Event()
 
     def sample():
-        torch.cuda.set_device(device)
-        while True:
-            _record["memory_trace"].append((time.monotonic(), torch.cuda.mem_get_info()[0]))
+        while not stop.is_set():
+            _record["memory_trace"].append((time.monotonic(), read_free()))
             time.sleep(interval_s)
 
     threading.Thread(target=sample, name="memory-trace", daemon=True).start()
+    return stop
 
 
 def hold_standin_memory(leave_gib: float) -> None:
@@ -375,8 +486,21 @@ def amem_summary() -> dict:
             "metrics": session.metrics() if session is not None else {},
             "caller_waits": dict(session.waited) if session is not None else {},
             "kv_cache": [dict(r.as_dict(), summary=r.summary()) for r in controller.kv_reports],
+            "kv_growth": kv_growth_summary(controller),
             "settings": vars(controller.settings) if hasattr(controller.settings, "__dict__")
             else str(controller.settings)}
+
+
+def kv_growth_summary(controller) -> dict:
+    """Each rollout's growth decision and what this rank measured of it (the
+    ``amem/kv_cache/decision`` and ``amem/kv_cache/measured/*`` metrics, which go to
+    Megatron's writers only). The controller keeps its growth private: read here for
+    the record, None without ``--rl-amem-grow-kv-cache``."""
+    growth = getattr(controller, "_growth", None)
+    if growth is None:
+        return None
+    return {"decisions": [dict(d.as_dict(), why=d.why) for d in growth.decisions],
+            "measured": [f.as_dict() for f in growth.measured]}
 
 
 def write_record(prefix: str) -> None:
@@ -439,10 +563,55 @@ def _step_seconds(run: dict) -> float:
 
 
 def _free_at_kv(run: dict, rank: int) -> dict:
-    """Free bytes at each KV-cache allocation after the first (the first comes at
-    the engine's launch, before any rollout began), by iteration."""
-    return {a["iteration"]: a["free_bytes"]
-            for a in run[rank]["kv_cache_allocations"][1:]}
+    """Each rollout's KV-cache allocation at the engine's resume, by iteration: the
+    first of its iteration after the launch's (the launch comes before any rollout
+    began). With ``--rl-amem-grow-kv-cache`` a rollout may hold a second one, the
+    regrow mid-rollout; it comes after the engine's own suspend gave the first cache
+    back, so its free bytes count that cache too and compare with nothing in a run
+    without growth."""
+    out = {}
+    for allocation in run[rank]["kv_cache_allocations"][1:]:
+        out.setdefault(allocation["iteration"], allocation)
+    return out
+
+
+def _free_gain(runs: dict, gpu_bytes: int, summary: dict) -> dict:
+    """The free memory each allocation of the amem run found over the baseline's.
+    Nothing waits for the suspends at the engine's resume, so the gain is held against
+    what the GPU's ranks had freed by then (their records say, from the package's
+    own account); records without that account are held against every suspended
+    byte, as the first design waited for them. Returns the check (name -> verdict),
+    empty when nothing had been freed by any allocation (then not judged)."""
+    rows, gains, freed_then = {}, [], {}
+    for rank in sorted(runs["amem"]):
+        base = _free_at_kv(runs["baseline"], rank)
+        for iteration, allocation in _free_at_kv(runs["amem"], rank).items():
+            theirs = base.get(iteration, {}).get("free_bytes")
+            gain = None if theirs is None else allocation["free_bytes"] - theirs
+            rows.setdefault(rank, {})[iteration] = {
+                "baseline": theirs, "amem": allocation["free_bytes"], "gain": gain,
+                "amem_freed_bytes": allocation.get("amem_freed_bytes"),
+                "amem_suspends_done": allocation.get("amem_suspends_done")}
+            if gain is not None:
+                gains.append((iteration, gain))
+            if allocation.get("amem_freed_bytes") is not None:  # ranks share the GPU
+                freed_then[iteration] = freed_then.get(iteration, 0) + allocation[
+                    "amem_freed_bytes"]
+    summary["free_at_kv_cache"] = rows
+    summary["median_free_gain_bytes"] = statistics.median(g for _, g in gains) if gains else None
+    if not freed_then:
+        return {"free memory at KV-cache allocation rose by >= 90% of the GPU's suspended "
+                "bytes": bool(gains) and gpu_bytes > 0 and statistics.median(
+                    g for _, g in gains) >= 0.9 * gpu_bytes}
+    summary["gpu_freed_bytes_at_kv_cache"] = freed_then
+    judged = [(gain, freed_then[it]) for it, gain in gains if freed_then.get(it, 0) > 0]
+    if not judged:
+        summary["free_gain_not_judged"] = ("the suspends had freed nothing yet at any "
+                                           "allocation (nothing waits for them)")
+        return {}
+    summary["free_gain_over_freed"] = [gain / freed for gain, freed in judged]
+    return {"free memory at KV-cache allocation rose by >= 90% of what the GPU's ranks had "
+            "freed by then": statistics.median(summary["free_gain_over_freed"]) >= 0.9}
 
 
 def merge(baseline: str, amem: str, control: str, out: str) -> dict:
@@ -463,19 +632,8 @@ def merge(baseline: str, amem: str, control: str, out: str) -> dict:
     checks["groups were suspended at every rollout"] = bool(begins) and all(
         t["suspended"] for t in begins) and len(begins) == len(runs["amem"][0]["rollouts"])
     gpu_bytes = sum(b[-1] for b in suspended_bytes.values() if b)  # ranks share the GPU
-    summary["free_at_kv_cache"] = {}
-    gains = []
-    for rank in sorted(runs["amem"]):
-        base, with_amem = _free_at_kv(runs["baseline"], rank), _free_at_kv(runs["amem"], rank)
-        row = {it: {"baseline": base.get(it), "amem": v,
-                    "gain": None if base.get(it) is None else v - base[it]}
-               for it, v in with_amem.items()}
-        summary["free_at_kv_cache"][rank] = row
-        gains += [r["gain"] for r in row.values() if r["gain"] is not None]
     summary["gpu_suspended_nccl_bytes"] = gpu_bytes
-    summary["median_free_gain_bytes"] = statistics.median(gains) if gains else None
-    checks["free memory at KV-cache allocation rose by >= 90% of the GPU's suspended bytes"] = (
-        bool(gains) and gpu_bytes > 0 and statistics.median(gains) >= 0.9 * gpu_bytes)
+    checks.update(_free_gain(runs, gpu_bytes, summary))
     totals = {rank: {k: v for k, v in data["amem"].get("metrics", {}).items()
                      if k.startswith("amem/total/")}
               for rank, data in runs["amem"].items()}
@@ -508,7 +666,8 @@ def merge(baseline: str, amem: str, control: str, out: str) -> dict:
     return summary
 
 
-def main(argv=None) -> None:
+def wrapper_parser() -> argparse.ArgumentParser:
+    """This file's own flags; every other one goes to train_rl.py."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--probe-out", help="prefix of the per-rank JSON records")
     parser.add_argument("--mlm", help="Megatron-LM tree with train_rl.py and megatron/rl")
@@ -524,6 +683,14 @@ def main(argv=None) -> None:
                              "generations run to --inference-max-seq-length)")
     parser.add_argument("--amem-memory-trace", type=float, default=0.0, metavar="SECONDS",
                         help="rank 0 samples the GPU's free memory at this interval")
+    parser.add_argument("--amem-stop-after-rollouts", type=int, default=0, metavar="N",
+                        help="write the record and exit once N rollouts are back (runs that "
+                             "measure the rollouts only: no training after them)")
+    return parser
+
+
+def main(argv=None) -> None:
+    parser = wrapper_parser()
     ours, rest = parser.parse_known_args(argv)
     if ours.merge:
         summary = merge(*ours.merge, ours.summary)
@@ -555,7 +722,7 @@ def main(argv=None) -> None:
 
     keep_servers_local()
     register_agent()
-    install_probes(os.path.abspath(ours.probe_out))
+    install_probes(os.path.abspath(ours.probe_out), ours.amem_stop_after_rollouts)
     script = os.path.join(os.path.abspath(ours.mlm), "train_rl.py")
     sys.argv = [script, *TINY, "--tokenizer-type", "HuggingFaceTokenizer",
                 "--tokenizer-model", tokenizer, "--langrl-env-config", env_config, *rest]
