@@ -80,3 +80,37 @@ def test_merge_splits_the_rollout_into_the_wait_for_the_kv_cache_and_generation(
     assert abs(gain["generation_s_ratio"] - 8.5 / 10.5) < 1e-9
     assert abs(gain["generation_tokens_per_s_ratio"] - 10.5 / 8.5) < 1e-9
     assert gain["train_step_time_ratio"] == 1.0
+
+
+def test_the_first_experiments_recorded_runs_merge_to_their_committed_figures(tmp_path):
+    """The merge reads the new design's figures (a grown rollout holds two KV
+    allocations; engine steps) and must still read the first design's records as it
+    did: re-merged, results/one_h200/rollout_gain_megatron_dp2/runs.tgz gives every key
+    its committed rollout_gain.json and critical_path.json hold."""
+    import tarfile
+
+    sys.path.insert(0, ROOT)
+    from experiments import rollout_gain
+
+    results = os.path.join(ROOT, "results", "one_h200", "rollout_gain_megatron_dp2")
+    with tarfile.open(os.path.join(results, "runs.tgz")) as tar:
+        tar.extractall(tmp_path)
+    rollout_gain.main(["merge", str(tmp_path)])
+    for name, skip in (("rollout_gain.json", {"pairs", "control", "commands", "goals"}),
+                       ("critical_path.json", {"per_run", "commands", "loop"})):
+        committed = json.load(open(os.path.join(results, name)))
+        merged = json.load(open(tmp_path / name))
+        for key in set(committed) - skip:
+            assert merged[key] == committed[key], (name, key)
+    committed = json.load(open(os.path.join(results, "rollout_gain.json")))
+    merged = json.load(open(tmp_path / "rollout_gain.json"))
+    for key, verdict in committed["goals"].items():
+        assert merged["goals"][key] == verdict
+    for old, new in zip(committed["pairs"], merged["pairs"]):
+        for side, figures in old["results"].items():
+            for key, value in figures.items():
+                assert new["results"][side][key] == value, (old["index"], side, key)
+    # the first design kept max_requests (180) while the blocks grew; its begin
+    # suspended 4.5 GiB a rank, 45 % of the 10 GiB cache
+    assert merged["max_requests"] == {"without": 180, "with": 180}
+    assert abs(merged["freed_fraction_of_kv"] - 0.45) < 0.01
