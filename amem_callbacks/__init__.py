@@ -8,7 +8,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "OffloadPolicy": "amem_callbacks.policy",
     "OffloadOptions": "amem_callbacks.options",
-    "OptionError": "amem_callbacks.options",
+    "OptionError": "amem_callbacks.errors",
     "RolloutSession": "amem_callbacks.session",
     "TransitionReport": "amem_callbacks.report",
     "GroupReport": "amem_callbacks.report",

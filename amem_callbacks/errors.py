@@ -5,6 +5,10 @@ class AmemError(RuntimeError):
     """Base class of every error this package raises on purpose."""
 
 
+class OptionError(AmemError, ValueError):
+    """A setting has a wrong name, type or value; the message says what to write."""
+
+
 class NcclError(AmemError):
     """An NCCL call returned something other than ncclSuccess."""
 

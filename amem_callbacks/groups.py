@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .backends.base import CommMemory
+from .errors import OptionError
 
 # group key -> role, set by adapters or users before or after the policy exists.
 _roles: dict = {}
@@ -24,8 +25,6 @@ _vocabulary: set = {"world"}
 
 def name_group(group, role: str) -> None:
     """Give a process group a role name (used in ``keep`` and in reports)."""
-    from .options import OptionError
-
     if not isinstance(role, str) or not role:
         raise OptionError(f"a group role must be a non-empty string, got {role!r}")
     if not isinstance(getattr(group, "group_name", None), str):
@@ -39,8 +38,6 @@ def register_roles(names) -> None:
     adapter calls this with its framework's vocabulary when it is imported)."""
     bad = [n for n in names if not isinstance(n, str) or not n]
     if bad:
-        from .options import OptionError
-
         raise OptionError(f"role names are non-empty strings, got {bad!r}")
     _vocabulary.update(names)
 

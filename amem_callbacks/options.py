@@ -14,7 +14,8 @@ import math
 import threading
 from typing import Callable, Mapping, Optional
 
-from .errors import AmemError
+from .errors import OptionError
+from .groups import existing_group_names, registered_roles
 
 #: Below this many suspendable bytes a group stays active: a transition costs
 #: hundreds of ms per communicator whatever its size (measured: ~375 ms
@@ -47,10 +48,6 @@ MAX_WORKERS = 256
 #: Numeric options of the backends, checked here beside their own checks:
 #: backend -> option -> (minimum, maximum, why the maximum).
 BACKEND_NUMBERS = {"amem": {"group_id": (0, MAX_C_INT, "ncclSetGroupID takes a C int")}}
-
-
-class OptionError(AmemError, ValueError):
-    """A setting has a wrong name, type or value; the message says what to write."""
 
 
 def check_phase(phase) -> None:
@@ -159,8 +156,6 @@ def _names(name: str, value) -> tuple:
 
 def normalise_keep(keep, validate_names: bool = True) -> dict:
     """``keep`` as {phase or "*": frozenset(names)}, checked against known names."""
-    from .groups import existing_group_names, registered_roles
-
     if isinstance(keep, Mapping):
         by_phase = dict(keep)
         for phase in by_phase:

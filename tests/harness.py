@@ -10,21 +10,15 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
 from tests.fake_nccl.tripwire import EXIT_CODE as FAKE_NCCL_EXIT, MARKER as FAKE_NCCL_MARKER
+from amem_callbacks.tools.launch import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RankFailure(AssertionError):

@@ -39,12 +39,12 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
+from amem_callbacks.tools.launch import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -57,11 +57,6 @@ GRACE_S = 20  # after one rank failed, its peers wait for it in a collective: th
 
 
 # --- starting a driver the way its usage line does -------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def driver_env(**extra) -> dict:
     """The CPU mode, on any machine: CUDA hidden so a GPU host runs the same as CI,

@@ -41,21 +41,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import threading
 import time
+from .launch import free_port
 
 ROLES = ("world", "dp", "dp_cp", "cp", "expert_dp", "intra_dp_cp", "embd", "pos_embd",
          "inter_dist_opt", "tp_dp", "ep", "pp")
 MODES = ("none", "naive", "overlap", "recreate", "touch", "touch-nolearn")
 DEFAULT_MODES = ("none", "naive", "overlap", "recreate")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class MemorySampler:
@@ -499,7 +493,7 @@ def main(args) -> int:
         scratch = tempfile.mkdtemp(prefix="amem-bench-raw-")  # rank 0 hands its figures over
         try:
             raw_path = os.path.join(scratch, "rank0.json")
-            mp.start_processes(_worker, args=(world, _free_port(), args, use_cuda, raw_path),
+            mp.start_processes(_worker, args=(world, free_port(), args, use_cuda, raw_path),
                                nprocs=world, start_method="spawn")
             with open(raw_path) as f:
                 raw = json.load(f)

@@ -10,15 +10,9 @@ group, then enters rollout: the policy suspends the groups rollout does not use
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import time
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from .launch import free_port
 
 
 def _worker(rank: int, world: int, port: int, steps: int, rollout_s: float, backend: str,
@@ -119,6 +113,6 @@ def main(steps: int = 5, rollout_s: float = 0.5, backend: str = None,
         f"{world} CPU processes, gloo (dry run: no GPU here)")
     print(f"amem-callbacks demo: {where}, backend {backend!r}, {steps} steps")
     out = out or tempfile.mkdtemp(prefix="amem-demo-")
-    mp.start_processes(_worker, args=(world, _free_port(), steps, rollout_s, backend, use_cuda,
+    mp.start_processes(_worker, args=(world, free_port(), steps, rollout_s, backend, use_cuda,
                                       out), nprocs=world, start_method="spawn")
     return 0

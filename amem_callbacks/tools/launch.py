@@ -19,6 +19,17 @@ MULTI_RANK_MIN_VERSION = (2, 30, 0)
 MULTI_RANK_ENV = {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}
 
 
+def free_port() -> int:
+    """A TCP port free on this host now, for a c10d store the tools start (the one
+    helper of the package, the tests and the GPU drivers; a port can be taken again
+    between this call and the bind, which the callers' short windows make rare)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def gather_ints(values: list, group) -> list:
     """Collective over ``group``: every rank's list of ints (same length on all).
 

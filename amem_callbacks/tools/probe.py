@@ -11,14 +11,8 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from .launch import free_port
 
 
 def probe(backend_name: str = "nccl") -> dict:
@@ -28,7 +22,7 @@ def probe(backend_name: str = "nccl") -> dict:
     from amem_callbacks.backends.nccl import NcclBackend
     from amem_callbacks.backends.torch_comms import torch_backend_of
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0",
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
                       WORLD_SIZE="1")
     torch.cuda.set_device(0)
     dist.init_process_group(backend_name, rank=0, world_size=1)

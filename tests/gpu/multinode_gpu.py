@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -110,12 +109,6 @@ def rank_main(out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def check(ranks: list, world: int) -> dict:
     """What must hold, from every rank's result."""
     dp_of_rank0 = next(g for g in layout(world)["dp"] if 0 in g)
@@ -142,7 +135,8 @@ def check(ranks: list, world: int) -> dict:
 
 def driver(out_path: str, world: int, per_node: int) -> int:
     out_dir = tempfile.mkdtemp(prefix="amem-multinode-")
-    port = _free_port()
+    from amem_callbacks.tools.launch import free_port
+    port = free_port()
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),

@@ -30,7 +30,6 @@ import logging
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -725,16 +724,12 @@ def _exit_probe(r: Rank) -> None:
 
 
 # --- driver --------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def run_case(name: str) -> dict:
     spec = CASES[name]
     out_dir = tempfile.mkdtemp(prefix=f"amem-rel-{name}-")
-    port = _free_port()
+    from amem_callbacks.tools.launch import free_port
+    port = free_port()
     procs, logs = [], []
     for rank in range(spec.ranks):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(spec.ranks),

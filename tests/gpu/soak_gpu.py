@@ -29,7 +29,6 @@ import json
 import math
 import os
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -435,12 +434,6 @@ def parse(argv) -> argparse.Namespace:
     return args
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _pump(proc, log_path: str) -> None:
     """A rank's output to its log; its 'soak:' lines also to ours (progress)."""
     with open(log_path, "w") as log:
@@ -460,7 +453,8 @@ def launch(args, work: str, started: float) -> tuple:
            "timeout_s": args.timeout_s, "agree_timeout_s": args.agree_timeout_s,
            "c10d_timeout_s": max(60.0, args.timeout_s), "numel": 64 if args.cpu else 1 << 18,
            "fake_mib": 32, "work": work, "progress_every": 10 if args.cpu else 50}
-    port = _free_port()
+    from amem_callbacks.tools.launch import free_port
+    port = free_port()
     base = dict(os.environ, WORLD_SIZE=str(args.ranks), MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=str(port), PYTHONPATH=ROOT + os.pathsep + os.environ.get(
                     "PYTHONPATH", ""), PYTHONUNBUFFERED="1")

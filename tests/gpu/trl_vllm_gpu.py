@@ -62,7 +62,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -1055,12 +1054,6 @@ def summarise(state: dict) -> dict:
             "runs_done": sorted(runs), "runs_planned_next": state.get("next", [])}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def driver_flags(args) -> list:
     """The ``run`` flags the orchestrator passes through to every run."""
     return ["--steps", str(args.steps), "--batch", str(args.batch),
@@ -1077,6 +1070,8 @@ def driver_flags(args) -> list:
 def start_run(spec: dict, args, folder: str, env: dict):
     """One bounded torchrun of ``run``; returns (process, argv, log path, started)."""
     os.makedirs(folder, exist_ok=True)
+    from amem_callbacks.tools.launch import free_port
+
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.ranks),
             "--master-port", str(free_port()), os.path.join("tests", "gpu", "trl_vllm_gpu.py"),
             "run", os.path.join(folder, "rank"), "--share", str(spec["share"]),
