@@ -94,6 +94,20 @@ def make_groups(world: int) -> dict:
     return groups
 
 
+def fake_job(sizes: dict = None):
+    """Every scenario's start: gloo ranks, the groups of :func:`make_groups` with
+    their communicators made (one collective each), a fake NCCL behind them and
+    a policy keeping tp. Returns ``(groups, fake, policy)``."""
+    init()
+    groups = make_groups(dist.get_world_size())
+    for g in groups.values():
+        allreduce_ok(g)
+    fake = FakeNccl(sizes=sizes)
+    policy = OffloadPolicy(backend=fake.backend(), keep=["tp"], agree_timeout_s=20,
+                           timeout_s=30)
+    return groups, fake, policy
+
+
 def allreduce_ok(group, value: float = 1.0) -> bool:
     t = torch.full((16,), float(rank() + 1) * value)
     dist.all_reduce(t, group=group)
@@ -126,13 +140,7 @@ def discovery(args):
 @scenario
 def fake_cycle(args):
     """Plan, agree, suspend, keep, resume on fake NCCL; collectives exact throughout."""
-    init()
-    groups = make_groups(dist.get_world_size())
-    for g in groups.values():
-        allreduce_ok(g)
-    fake = FakeNccl(sizes={"ep": 2})  # ep is under min_bytes
-    policy = OffloadPolicy(backend=fake.backend(), keep=["tp"], agree_timeout_s=20,
-                           timeout_s=30)
+    groups, fake, policy = fake_job(sizes={"ep": 2})  # ep is under min_bytes
     cycles = []
     for cycle in range(args.get("cycles", 3)):
         begin = policy.begin("rollout")
@@ -661,15 +669,9 @@ def longest_waits(args):
 def nested_phase(args):
     """A phase entered inside another fails at entry and leaves the outer one as
     it was; nothing is learned from it and no group is kept from then on."""
-    init()
     from amem_callbacks.errors import PhaseError
 
-    groups = make_groups(dist.get_world_size())
-    for g in groups.values():
-        allreduce_ok(g)
-    fake = FakeNccl()
-    policy = OffloadPolicy(backend=fake.backend(), keep=["tp"], agree_timeout_s=20,
-                           timeout_s=30)
+    groups, fake, policy = fake_job()
     out = {"inner_ran": False}
     with policy.phase("rollout"):
         out["before"] = fake.suspended()
@@ -817,13 +819,7 @@ def phase_body_raises(args):
     collective); the program goes on, uses one group (the guard resumes it),
     and the next phase resumes the rest first instead of suspending them twice.
     Nothing is learned from the phase that never ended."""
-    init()
-    groups = make_groups(dist.get_world_size())
-    for g in groups.values():
-        allreduce_ok(g)
-    fake = FakeNccl()
-    policy = OffloadPolicy(backend=fake.backend(), keep=["tp"], agree_timeout_s=20,
-                           timeout_s=30)
+    groups, fake, policy = fake_job()
     out = {}
     try:
         with policy.phase("rollout"):

@@ -108,17 +108,23 @@ def resize(engine, max_requests: int, tp: int) -> None:
     if context.max_requests == max_requests:
         return
     context.max_requests = max_requests
-    for metadata in (getattr(context, "graph_attn_metadata", None),
-                     getattr(context, "non_graph_attn_metadata", None)):
-        mha = metadata.get("mha_metadata") if isinstance(metadata, dict) else None
-        if mha is not None and hasattr(mha, "max_bs"):
-            mha.max_bs = max_requests
+    set_attention_metadata(context, "max_bs", max_requests)
     _rebuild_graph_list(context, max_requests, tp)
     controller = engine.controller
     # The method also clears the stop-word callback the engine set at construction.
     callback = getattr(controller, "_get_stop_word_finished_ids_callback", None)
     controller._init_dynamic_sampling_tensors()
     controller._get_stop_word_finished_ids_callback = callback
+
+
+def set_attention_metadata(context, name: str, value: int) -> None:
+    """Set ``name`` on the context's attention metadata, graphed and not: it keeps
+    its own copy of the batch and block limits it was built with."""
+    for metadata in (getattr(context, "graph_attn_metadata", None),
+                     getattr(context, "non_graph_attn_metadata", None)):
+        mha = metadata.get("mha_metadata") if isinstance(metadata, dict) else None
+        if mha is not None and hasattr(mha, name):
+            setattr(mha, name, value)
 
 
 def _rebuild_graph_list(context, max_requests: int, tp: int) -> None:

@@ -141,11 +141,7 @@ def _replace_allocator(context, total_count: int) -> None:
     if getattr(old, "on_blocks_deregistered", None) is not None:
         new.on_blocks_deregistered = old.on_blocks_deregistered
     context.kv_block_allocator = new
-    for metadata in (getattr(context, "graph_attn_metadata", None),
-                     getattr(context, "non_graph_attn_metadata", None)):
-        mha = metadata.get("mha_metadata") if isinstance(metadata, dict) else None
-        if mha is not None and hasattr(mha, "max_blocks"):
-            mha.max_blocks = total_count
+    concurrency.set_attention_metadata(context, "max_blocks", total_count)
 
 
 def apply(engine, launch: Launch, size: Size) -> None:

@@ -29,6 +29,7 @@ Each helper below keeps its GPU behaviour and, on CPU, answers with:
 from __future__ import annotations
 
 import os
+import time
 import weakref
 
 CPU_ENV = "AMEM_GPU_DRIVER_ON_CPU"
@@ -235,3 +236,25 @@ def same_gpu_total(sync, value: int) -> int:
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (mine, value), group=sync)
     return sum(v for dev, v in everyone if dev == mine)
+
+
+class StepTimer:
+    """Wall time of each optimizer step of a transformers Trainer (a generation
+    included in every ``steps_per_generation``-th), GPU work finished:
+    ``synchronize`` is called at both ends (``torch.cuda.synchronize`` on a GPU)."""
+
+    def __init__(self, synchronize):
+        from transformers import TrainerCallback
+
+        timer = self
+
+        class _Callback(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                synchronize()
+                timer.start = time.perf_counter()
+
+            def on_step_end(self, args, state, control, **kwargs):
+                synchronize()
+                timer.steps.append(time.perf_counter() - timer.start)
+
+        self.steps, self.start, self.callback = [], 0.0, _Callback()

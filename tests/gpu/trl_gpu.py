@@ -101,8 +101,8 @@ def import_callback():
 AMemCallback = import_callback()
 from amem_callbacks import OffloadPolicy, name_group  # noqa: E402
 from amem_callbacks.groups import register_roles  # noqa: E402
-from tests.gpu.common import ON_CPU, cpu_notes, gloo_group, nccl_library, policy_backend, \
-    set_aside_on_cpu  # noqa: E402
+from tests.gpu.common import ON_CPU, StepTimer, cpu_notes, gloo_group, nccl_library, \
+    policy_backend, set_aside_on_cpu  # noqa: E402
 
 VOCAB = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(4093)]
 BEGINS: list = []  # every begin report of the current run, in order
@@ -148,26 +148,6 @@ def dataset():
 
 def reward(completions, **kwargs):
     return [len(set(c.split())) / (1 + len(c.split())) for c in completions]
-
-
-class StepTimer:
-    """Wall time of each optimizer step (generation included), GPU work finished."""
-
-    def __init__(self):
-        from transformers import TrainerCallback
-
-        timer = self
-
-        class _Callback(TrainerCallback):
-            def on_step_begin(self, args, state, control, **kwargs):
-                synchronize()
-                timer.start = time.perf_counter()
-
-            def on_step_end(self, args, state, control, **kwargs):
-                synchronize()
-                timer.steps.append(time.perf_counter() - timer.start)
-
-        self.steps, self.start, self.callback = [], 0.0, _Callback()
 
 
 def synchronize() -> None:
@@ -320,7 +300,7 @@ def run(args, name: str, callback_options=None) -> dict:
         max_completion_length=args.completion_length, max_steps=args.steps, logging_steps=1,
         report_to=[], save_strategy="no", seed=0, learning_rate=1e-5, beta=0.0,
         disable_tqdm=True, generation_kwargs={"min_new_tokens": args.completion_length})
-    timer = StepTimer()
+    timer = StepTimer(synchronize)
     callbacks = [timer.callback]
     callback = None
     if callback_options is not None:

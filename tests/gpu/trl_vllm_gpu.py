@@ -591,27 +591,6 @@ def record_transitions(rec: Recorder) -> None:
         setattr(OffloadPolicy, kind, recorded)
 
 
-class StepTimer:
-    """Wall time of each optimizer step (a generation included in every
-    ``steps_per_generation``-th), GPU work finished."""
-
-    def __init__(self, synchronize):
-        from transformers import TrainerCallback
-
-        timer = self
-
-        class _Callback(TrainerCallback):
-            def on_step_begin(self, args, state, control, **kwargs):
-                synchronize()
-                timer.start = time.perf_counter()
-
-            def on_step_end(self, args, state, control, **kwargs):
-                synchronize()
-                timer.steps.append(time.perf_counter() - timer.start)
-
-        self.steps, self.start, self.callback = [], 0.0, _Callback()
-
-
 def step_figures(seconds: list, steps_per_generation: int) -> dict:
     """Medians of the steps that generate (every ``steps_per_generation``-th from the
     first) and of the others, the first generation cycle (start-up warm-up) left out,
@@ -694,8 +673,8 @@ def run_rank(args) -> int:
     import torch
     import torch.distributed as dist
 
-    from tests.gpu.common import ON_CPU, bind_device, cpu_notes, gloo_group, nccl_library, \
-        policy_backend, ranks_per_gpu
+    from tests.gpu.common import ON_CPU, StepTimer, bind_device, cpu_notes, gloo_group, \
+        nccl_library, policy_backend, ranks_per_gpu
 
     cpu = ON_CPU
     log = VllmLog()
