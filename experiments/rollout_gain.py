@@ -1,12 +1,12 @@
 """Does the freed NCCL memory become rollout throughput? Megatron-LM's own RL
 loop, KV-bound, with and without the package, in interleaved pairs.
 
-    python3 experiments/rollout_gain.py plan [OUT] [--preset P]   # the arithmetic (OUT/plan.json), no GPU
-    python3 experiments/rollout_gain.py calibrate OUT [--preset P]      # how much memory a run needs
-    python3 experiments/rollout_gain.py curve OUT [--preset P] [--points 10.5 14.6 10.5:88]
+    python3 experiments/rollout_gain.py plan [OUT] [--preset P]   # the arithmetic; no GPU
+    python3 experiments/rollout_gain.py calibrate OUT [--preset P]   # the memory a run needs
+    python3 experiments/rollout_gain.py curve OUT [--preset P] [--points 14.67 10.5:88]
     python3 experiments/rollout_gain.py run OUT --pairs 3 [--first 0] [--control] [--preset P]
         [--sides without,with | nogrow,with] [--gpus N]
-    python3 experiments/rollout_gain.py merge OUT    # rollout_gain.json, critical_path.json, curve.json
+    python3 experiments/rollout_gain.py merge OUT  # rollout_gain, critical_path, curve .json
     python3 experiments/rollout_gain.py plot OUT [--pair 0]   # memory over time of one pair
 
 Set-up (COMMANDS.txt in the results folder says it again; experiments/NEXT_GPU_CAMPAIGN.md
@@ -69,8 +69,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from amem_callbacks.tools.pairs import Interleaved, Pair  # noqa: E402
-from experiments import presets  # noqa: E402
 from tests.gpu import megatron_runs as runs  # noqa: E402
+
+runs.link_adapters()  # the presets' arithmetic is the adapter's own: a bare checkout links it
+from experiments import presets  # noqa: E402
 
 GiB = presets.GiB
 CUDA_CONTEXT = presets.CUDA_CONTEXT
@@ -100,7 +102,8 @@ def start_run(args, name: str, side: str, buffer_gb: float, port: int, *, standi
                         flags(args, buffer_gb) + list(extra) + (GROW if grow else []), wrapper)
     env = {"AMEM_TEXT_GEN_PORT": str(port + 1)}
     if gpu is not None:  # a run of its own on one GPU of several: both ranks share it
-        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # this step's GPUs, if given
+        env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[gpu] if visible else str(gpu)
     return runs.Run(name, argv, prefix + ".log", args.timeout, runs.environment(env))
 
 
@@ -756,11 +759,12 @@ def plan_command(args) -> int:
 def pack(out: str, to: str = None) -> None:
     """One archive: the device tool brings back at most 8 files."""
     target = os.path.join(to or out, "runs.tgz")
-    with tarfile.open(target + ".part", "w:gz") as tar:
+    part = f"{target}.{os.getpid()}.part"  # steps running at once share a folder
+    with tarfile.open(part, "w:gz") as tar:
         for path in sorted(glob.glob(os.path.join(out, "**", "*"), recursive=True)):
             if not path.endswith((".tgz", ".part")) and os.path.isfile(path):
                 tar.add(path, arcname=os.path.relpath(path, out))
-    os.replace(target + ".part", target)
+    os.replace(part, target)
 
 
 def main(argv=None) -> int:
