@@ -16,11 +16,9 @@ this cannot: Megatron-LM's loop itself (train_rl.py), real memory and real times
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import importlib.util
 import json
-import math
 import os
 import re
 import subprocess
@@ -297,6 +295,8 @@ def test_several_gpus_run_both_sides_of_a_pair_at_once_then_the_control_at_the_g
                           ("pair1_without", "3"), ("pair2_without", "0"), ("pair2_with", "1")]
     ports = [r.argv[r.argv.index("--master-port") + 1] for r in fake_runs.started]
     assert len(set(ports)) == len(ports)  # runs at once need their own ports
+    with tarfile.open(tmp_path / "runs.tgz") as tar:  # every run so far, packed after each
+        assert {"pair2_with.rank1.json", "control.outcome.json"} <= set(tar.getnames())
     control = fake_runs.started[-1]
     settings, wrapper, train_rl = parse_command(control.argv)
     grown = max(a["kv_bytes"] for i in range(3) for a in load(os.path.join(
@@ -305,6 +305,16 @@ def test_several_gpus_run_both_sides_of_a_pair_at_once_then_the_control_at_the_g
         presets.PRESETS["qwen3_1_7b"].leave_gb
     assert last_values(train_rl)["--inference-dynamic-batching-buffer-size-gb"] == \
         f"{round(grown / GiB, 2):g}"
+
+
+def test_a_step_given_some_gpus_places_its_runs_on_those(tmp_path, fake_runs, monkeypatch):
+    """Two steps at once on one host (the pairs on GPUs 0-1, the old preset's on 2-3):
+    a step's GPU indices go through its own CUDA_VISIBLE_DEVICES."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert rollout_gain.main(["run", str(tmp_path), "--preset", "tiny_kv", "--pairs", "2",
+                              "--gpus", "2", "--sides", "nogrow,with"]) == 0
+    assert [(r.name, r.env["CUDA_VISIBLE_DEVICES"]) for r in fake_runs.started] == [
+        ("pair0_nogrow", "2"), ("pair0_with", "3"), ("pair1_with", "2"), ("pair1_nogrow", "3")]
 
 
 def test_the_megatron_0192_parser_takes_every_presets_command_line(tmp_path):
@@ -330,6 +340,13 @@ def test_the_megatron_0192_parser_takes_every_presets_command_line(tmp_path):
                        "HuggingFaceTokenizer", "--tokenizer-model", "/nonexistent",
                        "--langrl-env-config", "/nonexistent.yaml",
                        *preset.train_rl_flags(preset.iters, preset.buffer_gb)]
+    # the curve's point with a user-set max_requests (rollout_gain.curve adds the flag)
+    argvs["curve_point"] = argvs["qwen3_1_7b"] + ["--inference-dynamic-batching-max-requests",
+                                                  "88"]
+    # train_rl.py adds Megatron-LM's inference flags (megatron/inference/utils.py): with
+    # the bundle (tests/gpu/bundle_megatron.sh) here, its own provider is used too
+    mlm = os.path.join(ROOT, ".gpu", "megatron", "mlm")
+    provider = os.path.exists(os.path.join(mlm, "megatron", "inference", "utils.py"))
     script = tmp_path / "parse.py"
     script.write_text(textwrap.dedent(f'''
         import importlib.abc, importlib.machinery, json, os, sys, types, typing
@@ -351,10 +368,14 @@ def test_the_megatron_0192_parser_takes_every_presets_command_line(tmp_path):
         sys.path.insert(0, {str(site)!r})
         os.environ.update(WORLD_SIZE="2", RANK="0")
         from megatron.training.arguments import parse_args, validate_args
+        provider = None
+        if {provider!r}:
+            sys.path.insert(0, {mlm!r})
+            from megatron.inference.utils import add_inference_args as provider
         out = {{}}
         for name, argv in json.loads(sys.argv[1]).items():
             sys.argv = argv
-            args = parse_args()
+            args = parse_args(provider)
             validate_args(args, {{}})
             out[name] = {{k: getattr(args, k) for k in (
                 "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
@@ -363,7 +384,8 @@ def test_the_megatron_0192_parser_takes_every_presets_command_line(tmp_path):
                 "inference_dynamic_batching_buffer_size_gb", "global_batch_size",
                 "data_parallel_size", "rl_kv_cache_management_mode", "rotary_base",
                 "position_embedding_type", "swiglu", "untie_embeddings_and_output_weights",
-                "add_qkv_bias", "add_bias_linear", "group_query_attention")
+                "add_qkv_bias", "add_bias_linear", "group_query_attention",
+                "layernorm_epsilon", "inference_dynamic_batching_max_requests")
                 if hasattr(args, k)}}
         print("PARSED " + json.dumps(out, default=str))
     '''))
@@ -387,6 +409,10 @@ def test_the_megatron_0192_parser_takes_every_presets_command_line(tmp_path):
         assert got["rl_kv_cache_management_mode"] == "recompute"
         assert got["add_qkv_bias"] == m.qkv_bias and not got["add_bias_linear"]
         assert got["untie_embeddings_and_output_weights"] == (not m.tied)
+        assert got["inference_dynamic_batching_max_requests"] is None  # follows the blocks
+        if not m.learned_positions:
+            assert got["rotary_base"] == 1000000 and got["layernorm_epsilon"] == 1e-6
+    assert parsed["curve_point"]["inference_dynamic_batching_max_requests"] == 88
 
 
 # --- records made by the code that writes them -----------------------------------------
@@ -428,7 +454,6 @@ class Clock:
 def rollout_records(args):
     """Rank scenario (tests.scenarios): the runs of a curve and of interleaved pairs,
     each rank writing megatron_rl_gpu.py's record for each, into ``args["out"]``."""
-    import asyncio
     from collections import deque
 
     import torch.distributed as dist
@@ -871,3 +896,30 @@ def test_a_run_that_runs_out_of_memory_is_stopped_and_reads_as_such(tmp_path):
     quiet = megatron_runs.Run("slow", [sys.executable, "-c", "import time; time.sleep(120)"],
                               str(tmp_path / "slow.log"), 1.0, dict(os.environ), poll_s=0.1)
     assert quiet.wait()["hung"] is True  # the time limit still applies
+
+
+def test_the_campaign_runs_a_step_detached_and_polls_it_into_out(tmp_path):
+    """experiments/campaign.sh's start and wait (its setup needs the GPU machine's
+    carried files): the step outlives the call that started it, its environment
+    pairs reach it, and each wait brings its folder's results and log into $OUT."""
+    script = os.path.join(ROOT, "experiments", "campaign.sh")
+    work, out, results = tmp_path / "g", tmp_path / "out", tmp_path / "step"
+    out.mkdir()
+    results.mkdir()
+    env = dict(os.environ, AMEM_CAMPAIGN_DIR=str(work), OUT=str(out))
+    step = (f"import os, time; time.sleep(1.5); print('gpu', os.environ['CUDA_VISIBLE_DEVICES']);"
+            f"open({str(results / 'curve.json')!r}, 'w').write('{{}}')")
+    started = subprocess.run(["bash", script, "start", "demo", "CUDA_VISIBLE_DEVICES=1", "--",
+                              sys.executable, "-c", step], env=env, capture_output=True,
+                             text=True, timeout=60)
+    assert started.returncode == 0, started.stderr
+    early = subprocess.run(["bash", script, "wait", "demo", str(results), "0"], env=env,
+                           capture_output=True, text=True, timeout=60)
+    assert early.returncode == 3 and "still running" in early.stdout
+    done = subprocess.run(["bash", script, "wait", "demo", str(results), "30"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "done, rc=0" in done.stdout, done.stdout + done.stderr
+    assert "gpu 1" in (out / "demo.log").read_text() and (out / "curve.json").exists()
+    wrong = subprocess.run(["bash", script, "launch"], env=env, capture_output=True, text=True,
+                           timeout=60)
+    assert wrong.returncode == 2 and "unknown step" in wrong.stdout
