@@ -78,3 +78,24 @@ def test_mixed_prefill_and_decode_matches_the_per_request_reference():
         want = reference(q[rows], request_keys(k, table[r], nk), request_keys(v, table[r], nk),
                          0.25)
         assert torch.allclose(out[rows], want, atol=1e-5), r
+
+
+def test_grouped_query_heads_read_their_own_kv_head_and_the_cut_keys_change_nothing():
+    """8 query heads over 2 KV heads (flash-attn: query head h reads KV head h // 4),
+    decode and varlen, against the per-request reference that repeats K and V."""
+    fa = standin()
+    lengths = [3, 30, 11]
+    k, v, table = paged_cache(lengths, block=8, hk=2, seed=2)
+    q = torch.randn(len(lengths), 1, 8, 8)
+    out = fa.flash_attn_with_kvcache(q, k, v, cache_seqlens=torch.tensor(lengths),
+                                     block_table=table, softmax_scale=0.2, causal=True)
+    cu = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    cu_k = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
+    varlen = fa.flash_attn_varlen_func(q[:, 0], k, v, cu, cu_k, 1, max(lengths),
+                                       softmax_scale=0.2, causal=True, block_table=table)
+    for r, n in enumerate(lengths):
+        want = reference(q[r], request_keys(k, table[r], n), request_keys(v, table[r], n), 0.2)
+        assert torch.allclose(out[r], want, atol=1e-5), r
+        assert torch.allclose(varlen[r], want[0], atol=1e-5), r
+    # the keys past the longest context are not gathered
+    assert fa._paged(k, table, max(lengths)).shape[1] == max(lengths)

@@ -4,9 +4,10 @@ entry points that Megatron's dynamic inference engine calls
 cache: k/v [num_blocks, block_size, H_kv, D], block_table [batch, max_blocks].
 
 Batched over requests: the paged blocks of every request are gathered in one
-indexing op and attended in one masked ``scaled_dot_product_attention``, so a
-step costs about the same whatever the number of requests, as with the real
-kernels. (A per-request Python loop made a step cost grow with the batch, and
+indexing op (only up to the longest context where the caller gives it) and
+attended in one masked ``scaled_dot_product_attention``, grouped-query heads
+folded instead of K and V repeated, so a step costs about the same whatever the
+number of requests, as with the real kernels. (A per-request Python loop made a step cost grow with the batch, and
 a bigger KV cache, more requests at once, would then buy no throughput: the
 rollout-gain measurement needs the batched form.) Not a fast kernel: for
 functional tests and relative measurements only; flash-attn has no wheel for
@@ -19,11 +20,17 @@ import torch.nn.functional as F
 __version__ = "2.8.3"  # attention.py:1330 asserts is_fa_min_version("2.7.3")
 
 
-def _paged(cache, block_table):
-    """[B, max_blocks*block_size, H, D]: every request's blocks in order."""
+def _paged(cache, block_table, max_k=None):
+    """[B, blocks*block_size, H, D]: every request's blocks in order. ``max_k``
+    (the longest context, where the caller knows it without a device sync):
+    only the blocks that hold it are gathered, and the keys are cut there."""
     batch, blocks = block_table.shape
+    if max_k is not None:
+        blocks = min(blocks, max(1, -(-max_k // cache.shape[1])))
+        block_table = block_table[:, :blocks]
     gathered = cache[block_table.long().clamp(min=0)]  # [B, blocks, bs, H, D]
-    return gathered.reshape(batch, blocks * cache.shape[1], cache.shape[2], cache.shape[3])
+    keys = gathered.reshape(batch, blocks * cache.shape[1], cache.shape[2], cache.shape[3])
+    return keys if max_k is None else keys[:, :max_k]
 
 
 def _mask(q_lens, k_lens, max_q, max_k, causal, window_size, device):
@@ -41,17 +48,26 @@ def _mask(q_lens, k_lens, max_q, max_k, causal, window_size, device):
 
 
 def _attend(q, k, v, mask, scale):
-    """q [B, Lq, Hq, D], k/v [B, Lk, Hk, D] -> [B, Lq, Hq, D]."""
-    hq, hk = q.shape[2], k.shape[2]
-    if hq != hk:
-        k = k.repeat_interleave(hq // hk, dim=2)
-        v = v.repeat_interleave(hq // hk, dim=2)
+    """q [B, Lq, Hq, D], k/v [B, Lk, Hk, D] -> [B, Lq, Hq, D].
+
+    Grouped-query attention without copying K and V per query head: the G query
+    heads of each KV head are folded into the query length (query head h reads
+    KV head h // G, flash-attn's convention), so the step reads each KV byte in
+    use once, as the real kernel does; repeating K and V G times made a step's
+    cost grow with the KV in use several times over."""
+    batch, lq, hq, d = q.shape
+    hk = k.shape[2]
+    groups = hq // hk
+    folded = q.reshape(batch, lq, hk, groups, d).permute(0, 2, 3, 1, 4).reshape(
+        batch, hk, groups * lq, d)
     # A fully masked row (a padded query) gives NaN in SDPA: let it see key 0, drop it after.
     safe = mask.clone()
     safe[..., 0] |= ~mask.any(-1)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                         v.transpose(1, 2), attn_mask=safe, scale=scale)
-    return out.transpose(1, 2)
+    safe = safe.repeat(1, 1, groups, 1)  # row g * Lq + i is query row i's mask
+    out = F.scaled_dot_product_attention(folded, k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=safe, scale=scale)
+    return out.reshape(batch, hk, groups, lq, d).permute(0, 3, 1, 2, 4).reshape(
+        batch, lq, hq, d)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
@@ -63,8 +79,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
     k_lens = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
     max_q = int(max_seqlen_q) if max_seqlen_q is not None else int(q_lens.max())
+    max_k = int(max_seqlen_k) if max_seqlen_k is not None else None  # given: no device sync
     if block_table is not None:
-        ks, vs = _paged(k, block_table), _paged(v, block_table)
+        ks, vs = _paged(k, block_table, max_k), _paged(v, block_table, max_k)
     else:  # packed keys: pad each request's run the same way as the queries
         ks, vs = _pad(k, cu_seqlens_k, k_lens, int(k_lens.max())), _pad(
             v, cu_seqlens_k, k_lens, int(k_lens.max()))
