@@ -94,15 +94,20 @@ def make_groups(world: int) -> dict:
     return groups
 
 
-def fake_job(sizes: dict = None):
-    """Every scenario's start: gloo ranks, the groups of :func:`make_groups` with
-    their communicators made (one collective each), a fake NCCL behind them and
-    a policy keeping tp. Returns ``(groups, fake, policy)``."""
+def fake_groups(sizes: dict = None):
+    """A scenario's start: gloo ranks, the groups of :func:`make_groups` with their
+    communicators made (one collective each), a fake NCCL behind them.
+    Returns ``(groups, fake)``."""
     init()
     groups = make_groups(dist.get_world_size())
     for g in groups.values():
         allreduce_ok(g)
-    fake = FakeNccl(sizes=sizes)
+    return groups, FakeNccl(sizes=sizes)
+
+
+def fake_job(sizes: dict = None):
+    """:func:`fake_groups` and a policy keeping tp: ``(groups, fake, policy)``."""
+    groups, fake = fake_groups(sizes)
     policy = OffloadPolicy(backend=fake.backend(), keep=["tp"], agree_timeout_s=20,
                            timeout_s=30)
     return groups, fake, policy
@@ -644,13 +649,9 @@ def _nothing_applied(policy) -> dict:
 def longest_waits(args):
     """The largest timeouts the options accept work through whole phases
     (they used to pass construction and overflow at the first begin)."""
-    init()
     from amem_callbacks.options import MAX_WAIT_S
 
-    groups = make_groups(dist.get_world_size())
-    for g in groups.values():
-        allreduce_ok(g)
-    fake = FakeNccl()
+    groups, fake = fake_groups()
     out = {}
     for overlap in (False, True):
         policy = OffloadPolicy(backend=fake.backend(), keep=["tp"], overlap=overlap,
@@ -703,13 +704,9 @@ class _PathOfFails(NcclBackend):
 def failed_transitions(args):
     """begin/end that raise partway leave no phase open, and name every group
     still held; groups nobody suspended are released (guard off them)."""
-    init()
     from amem_callbacks.options import MAX_C_INT
 
-    groups = make_groups(dist.get_world_size())
-    for g in groups.values():
-        allreduce_ok(g)
-    fake = FakeNccl()
+    groups, fake = fake_groups()
     out = {}
     # 1. raises while the batch is assembled: the guard watched groups nobody suspends
     broken = _PathOfFails(library=fake.library, handle_of=fake.handle_of)
