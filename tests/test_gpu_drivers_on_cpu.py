@@ -169,6 +169,10 @@ MEGATRON_RL_ROLLOUTS = 4  # as many as the recorded amem run had (its merge comp
 def start_all(names, tmp: str) -> dict:
     starters = {
         "core": lambda out: start_core(out),
+        "cold_host": lambda out: Run("cold_host", [gpu_script("cold_host_gpu.py"),
+                                                   os.path.join(out, "cold.json"),
+                                                   "--groups", "3", "--cycles", "2"], out,
+                                     ranks=2),
         # 4 ranks (TP 2 x PP 2, DP groups of one) rather than the GPU run's 8: the
         # same lines of the package, half the processes on two cores
         "multinode": lambda out: Run("multinode", [gpu_script("multinode_gpu.py"),
@@ -182,7 +186,8 @@ def start_all(names, tmp: str) -> dict:
                                          os.path.join(out, "soak.json"), "--ranks", "2",
                                          "--cycles", "14", "--sample-every", "1",
                                          "--guard-every", "5", "--disagree-every", "10",
-                                         "--seconds", "120", "--no-plot"], out),
+                                         "--seconds", "120", "--shared-gpu", "--no-plot"],
+                                        out),
         "trl": lambda out: Run("trl", [gpu_script("trl_gpu.py"), os.path.join(out, "trl.json"),
                                        "--steps", "2", "--hidden", "64", "--layers", "1",
                                        "--completion-length", "8", "--batch", "2"], out,
@@ -245,6 +250,23 @@ def test_core_gpu_runs_its_checks_on_the_fake_nccl(runs):
         assert all(v["nccl_suspended"] and v["status"] == "suspended" for v in held.values())
         assert result["counters"]["amem/total/auto_resumes"] == 1
         assert result["cycles"]["n"] == 3 and "libnccl-fake" in result["nccl_path"]
+
+
+# --- cold_host_gpu.py ---------------------------------------------------------
+@needs("cold_host")
+def test_cold_host_gpu_times_each_cycle_under_the_default_timeouts(runs):
+    run = runs["cold_host"]
+    run.passed()
+    result = run.json("cold.json")
+    assert result["ok"] and result["mode"] == "cpu-fake-nccl" and result["ranks"] == 2
+    for record in result["ranks_records"]:
+        assert all(record["checks"].values()) and len(record["checks"]) == 5, record["checks"]
+        assert len(record["cycles"]) == 2 and len(record["warm_suspend_s"]) == 1
+        assert all(len(c["suspended"]) == 3 for c in record["cycles"])
+        assert record["defaults"]["agree_timeout_s"] == 120.0  # the package's own default
+        assert record["defaults"]["timeout_s"] is None
+    assert set(result["cpu_notes"]["not_judged_on_cpu"]) == {
+        "first_suspend_below_every_default_timeout"}
 
 
 # --- multinode_gpu.py ---------------------------------------------------------
@@ -311,9 +333,14 @@ def test_soak_gpu_follows_the_shared_cpu_mode(runs):
     for counts in result["special_cycles"].values():  # guard 3, 8, 13; learned 4, 9, 14; disagree 7
         assert counts == {"guard": 3, "learned": 3, "disagree": 1,
                           "disagree_member": 1}, counts
+    assert result["shared_gpu"] is True
     for name, per_rank in result["flat"].items():
         assert all(v["ok"] is (None if name.startswith("device_free") else True)
                    for v in per_rank.values()), (name, per_rank)
+    for v in result["flat"]["device_free_during"].values():  # --shared-gpu: judged per process
+        assert "--shared-gpu" in v["why"], v
+    for values in result["series"]["device_process_during"].values():
+        assert values and set(values) == {common.STAND_IN_PROCESS_BYTES}, values
     for counters in result["counters"].values():
         assert counters["main"]["amem/total/auto_resumes"] == 3
 

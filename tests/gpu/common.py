@@ -258,3 +258,80 @@ class StepTimer:
                 timer.steps.append(time.perf_counter() - timer.start)
 
         self.steps, self.start, self.callback = [], 0.0, _Callback()
+
+
+# --- this process's own device memory (NVML) ---------------------------------
+# cudaMemGetInfo sees the whole GPU: a soak that shares its GPU with other jobs
+# (the test suite beside it, say) would judge their memory as its own. NVML's
+# per-process accounting counts this process alone: CUDA context, the caching
+# allocator's reserve and NCCL's buffers together. Read through ctypes from the
+# driver's own libnvidia-ml (no pynvml on the GPU image); the v2 record layout
+# (pid, used bytes, two instance ids) is fixed by NVML's ABI.
+NVML_NOT_AVAILABLE = (1 << 64) - 1  # NVML_VALUE_NOT_AVAILABLE for usedGpuMemory
+STAND_IN_PROCESS_BYTES = 1 << 30  # CPU mode: a constant, never a measurement
+
+
+class _Nvml:
+    def __init__(self):
+        import ctypes
+
+        self.ct = ctypes
+        self.lib = ctypes.CDLL("libnvidia-ml.so.1")
+        if self.lib.nvmlInit_v2() != 0:
+            raise OSError("nvmlInit_v2 failed")
+
+        class ProcessInfo(ctypes.Structure):
+            _fields_ = [("pid", ctypes.c_uint), ("used", ctypes.c_ulonglong),
+                        ("gpu_instance", ctypes.c_uint), ("compute_instance", ctypes.c_uint)]
+
+        self.record = ProcessInfo
+        self.handles = {}
+
+    def handle(self, key: tuple):
+        """key: torch's (pci_domain_id, pci_bus_id, pci_device_id) of the GPU (ints)."""
+        if key not in self.handles:
+            handle = self.ct.c_void_p()
+            bus = "{:08X}:{:02X}:{:02X}.0".format(*key).encode()
+            rc = self.lib.nvmlDeviceGetHandleByPciBusId_v2(bus, self.ct.byref(handle))
+            if rc != 0:
+                raise OSError(f"nvmlDeviceGetHandleByPciBusId_v2({bus!r}) = {rc}")
+            self.handles[key] = handle
+        return self.handles[key]
+
+    def used_by(self, key: tuple, pid: int):
+        ct, handle = self.ct, self.handle(key)
+        count = ct.c_uint(64)
+        infos = (self.record * 64)()
+        rc = self.lib.nvmlDeviceGetComputeRunningProcesses_v2(handle, ct.byref(count), infos)
+        if rc != 0:
+            raise OSError(f"nvmlDeviceGetComputeRunningProcesses_v2 = {rc}")
+        for info in infos[:count.value]:
+            if info.pid == pid:
+                return None if info.used == NVML_NOT_AVAILABLE else int(info.used)
+        return None  # not listed (a PID namespace NVML does not see into): not measured
+
+
+_nvml = None
+
+
+def process_device_bytes():
+    """Device bytes this process holds on its current GPU, by NVML's per-process
+    count; None where NVML cannot say. CPU mode: a constant stand-in."""
+    global _nvml
+    if ON_CPU:
+        return STAND_IN_PROCESS_BYTES
+    import torch
+
+    if _nvml is False:  # NVML did not start here: said once, not retried
+        return None
+    try:
+        if _nvml is None:
+            _nvml = _Nvml()
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        key = (props.pci_domain_id, props.pci_bus_id, props.pci_device_id)
+        return _nvml.used_by(key, os.getpid())
+    except (OSError, AttributeError) as exc:
+        if _nvml is None:
+            _nvml = False
+        print(f"process_device_bytes: not measured ({type(exc).__name__}: {exc})", flush=True)
+        return None

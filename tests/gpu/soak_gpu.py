@@ -46,10 +46,14 @@ DISPUTED = "dp"  # the role one rank alone keeps on disagreement cycles
 TP_LIKE = ("tp", "mp", "tp_cp", "ep", "tp_ep")  # blocks of consecutive ranks
 DP_LIKE = ("dp", "dp_cp", "expt_dp", "intra_dp_cp", "intra_expt_dp")  # strided ranks
 WARMUP_FRACTION, FLAT_TOLERANCE = 0.10, 0.01
+SHARED_GPU_WHY = ("--shared-gpu: other jobs use this GPU, so its free memory is theirs too; "
+                  "judged on device_process_* (this process's own bytes) instead")
 # name -> (reading point, key): the series judged flat, per rank
 SERIES = {
     "device_free_after_end": ("after", "device_free"),
     "device_free_during": ("during", "device_free"),
+    "device_process_after_end": ("after", "device_process"),
+    "device_process_during": ("during", "device_process"),
     "host_rss_after_end": ("after", "rss"),
     "host_rss_during": ("during", "rss"),
     "pinned_nccl_suspended_bytes_during": ("during", "suspended_bytes"),
@@ -209,6 +213,8 @@ class Soak:
     def reading(self) -> dict:
         """Taken between two gloo barriers: every rank's transition has finished
         and nobody starts the next one while the others read."""
+        from tests.gpu.common import STAND_IN_PROCESS_BYTES, process_device_bytes
+
         if not self.cpu:
             self.torch.cuda.synchronize()
         self.barrier()
@@ -216,7 +222,8 @@ class Soak:
         row = {"device_free": None if self.cpu else self.torch.cuda.mem_get_info()[0],
                "rss": status.get("VmRSS"), "vmlck": status.get("VmLck"),
                "vmpin": status.get("VmPin"), "threads_os": status.get("Threads"),
-               "threads_py": threading.active_count()}
+               "threads_py": threading.active_count(),
+               "device_process": STAND_IN_PROCESS_BYTES if self.cpu else process_device_bytes()}
         self.barrier()
         return row
 
@@ -422,6 +429,10 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--cpu", action="store_true",
                    help="gloo ranks and the fake NCCL (also AMEM_GPU_DRIVER_ON_CPU=1 or "
                         "AMEM_SOAK_CPU=1)")
+    p.add_argument("--shared-gpu", action="store_true",
+                   help="other jobs use this GPU too: the whole-GPU free memory "
+                        "(device_free_*) is recorded but not judged; this process's own "
+                        "device bytes (NVML, device_process_*) are")
     p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
@@ -513,6 +524,9 @@ def summarize(args, ranks: list, ended: dict, env: dict, started: float) -> dict
             values = [s[point].get(key) for s in r.get("samples", [])]
             series[name][r["rank"]] = values
             verdicts[name][r["rank"]] = flat(values)
+            if args.shared_gpu and name.startswith("device_free"):
+                verdicts[name][r["rank"]] = {**verdicts[name][r["rank"]], "ok": None,
+                                             "why": SHARED_GPU_WHY}
     cycles = sorted({r.get("cycles") for r in done})
     cycle_s = [x for r in done for x in r.get("cycle_s", [])]
     no_hang = ended["killed"] is None
@@ -549,7 +563,9 @@ def summarize(args, ranks: list, ended: dict, env: dict, started: float) -> dict
         "readings": "every sample_every-th cycle, on every rank between two gloo barriers: "
                     "'during' after begin had finished (policy.wait()), 'after' after end, the "
                     "exact all-reduces and policy.wait(). device_free is cudaMemGetInfo of the "
-                    "rank's GPU (the whole GPU's when ranks share it).",
+                    "rank's GPU (the whole GPU's when ranks share it); device_process is NVML's "
+                    "count of this process's own device bytes (context, allocator, NCCL).",
+        "shared_gpu": args.shared_gpu,
         "flat_rule": f"warm-up: the first {WARMUP_FRACTION:.0%} of the samples (at least 1); "
                      "window: a tenth of the rest, at least 3; flat: |median(last window) - "
                      f"median(first window)| <= {FLAT_TOLERANCE:.0%} of the first",
