@@ -67,7 +67,7 @@ class AgreedPlan:
 
 def agree_setup(options, select_backend) -> Setup:
     """Collective over all ranks: pick a backend and agree every rank can use it."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # light import: torch (both)
     from torch.distributed import distributed_c10d as c10d
 
     backend, description, inert = select_backend(options.backend, options.backend_options)
@@ -156,6 +156,6 @@ def _process_vote(groups, proposals, backend_name: str) -> str:
 
 
 def _world() -> tuple:
-    import torch.distributed as dist
+    import torch.distributed as dist  # light import: torch
 
     return tuple(range(dist.get_world_size()))

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from .availability import distributed_ready  # noqa: F401 (policy.py and the adapters import it here)
 from .backends.base import CommMemory
 from .errors import OptionError
 
@@ -50,7 +51,7 @@ def registered_roles() -> set:
 def keep_name(group, role: Optional[str] = None) -> str:
     """A name for ``keep``: "world" for the default group, else ``role`` (given to
     the group as its name), else the group's key."""
-    from torch.distributed import distributed_c10d as c10d
+    from torch.distributed import distributed_c10d as c10d  # light import: torch
 
     if group is c10d._get_default_group():
         return "world"
@@ -69,17 +70,6 @@ def flatten_groups(value) -> list:
     if isinstance(value, (list, tuple)):
         return [g for v in value for g in flatten_groups(v)]
     return [value]
-
-
-def distributed_ready() -> bool:
-    """torch.distributed is initialized (without importing torch when it is not loaded)."""
-    import sys
-
-    if "torch" not in sys.modules:
-        return False
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
 
 
 @dataclass
@@ -168,11 +158,11 @@ def discover(backend, only=None, placement=None) -> list:
     ``only`` restricts discovery to the given process groups; ``placement``
     (where every rank runs) tells each group's transport.
     """
-    import torch.distributed as dist
+    if not distributed_ready():
+        return []
+    import torch.distributed as dist  # light import: torch (loaded, as distributed_ready says)
     from torch.distributed import distributed_c10d as c10d
 
-    if not dist.is_available() or not dist.is_initialized():
-        return []
     default_group = c10d._get_default_group()
     groups = list(only) if only is not None else list(c10d._world.pg_map.keys())
     infos = []
@@ -198,7 +188,7 @@ def existing_group_names() -> set:
     """Every alias of the groups that exist now (empty before init_process_group)."""
     if not distributed_ready():
         return set()
-    from torch.distributed import distributed_c10d as c10d
+    from torch.distributed import distributed_c10d as c10d  # light import: torch
 
     default_group = c10d._get_default_group()
     names = set()

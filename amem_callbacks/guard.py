@@ -175,14 +175,14 @@ def _function_wrapper(name: str, kind: CallKind, original):
 
 
 def _default_group():
-    from torch.distributed import distributed_c10d as c10d
+    from torch.distributed import distributed_c10d as c10d  # light import: torch
 
     return c10d._get_default_group()
 
 
 def install() -> None:
     """Wrap the guarded methods and functions (idempotent)."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # light import: torch (both)
     from torch.distributed import distributed_c10d as c10d
 
     with _lock:

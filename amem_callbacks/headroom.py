@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from .availability import is_cuda_available, loaded_torch
 from .log import logger
 
 #: left out of the freed bytes: vLLM checks free memory against its share at wake-up
@@ -89,10 +90,9 @@ def freed_on_this_gpu(report) -> Optional[int]:
 
 
 def gpu_total_bytes(device: Optional[int] = None) -> Optional[int]:
-    import sys
-
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_available():
+    """The device's total memory where torch is imported and sees CUDA, else None."""
+    if not is_cuda_available():
         return None
+    torch = loaded_torch()
     return torch.cuda.mem_get_info(device if device is not None else
                                    torch.cuda.current_device())[1]

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-import sys
 from typing import Optional
+
+from .availability import is_cuda_available, is_cuda_initialized, loaded_torch
 
 
 def device_free_bytes(device: Optional[int] = None) -> Optional[int]:
@@ -13,9 +14,9 @@ def device_free_bytes(device: Optional[int] = None) -> Optional[int]:
     Reads only when torch is already imported: a reading must never be the
     reason torch (or CUDA) gets initialised.
     """
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+    if not is_cuda_initialized():
         return None
+    torch = loaded_torch()
     # Explicit device: transitions run on a worker thread whose current device
     # is not the caller's.
     if device is None:
@@ -25,18 +26,17 @@ def device_free_bytes(device: Optional[int] = None) -> Optional[int]:
 
 
 def current_device() -> Optional[int]:
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+    """The current CUDA device where torch has initialised CUDA, else None."""
+    if not is_cuda_initialized():
         return None
-    return torch.cuda.current_device()
+    return loaded_torch().cuda.current_device()
 
 
 def empty_cache() -> None:
     """Hand the caching allocator's unused blocks back to CUDA (where torch and CUDA
     are up), so that a resume finds them free."""
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
+    if is_cuda_initialized():
+        loaded_torch().cuda.empty_cache()
 
 
 @contextlib.contextmanager
@@ -44,11 +44,10 @@ def on_device(device: Optional[int]):
     """Make ``device`` current on this thread for the block: torch gives a
     group's communicator for the current device, and a thread that did not
     choose one (asyncio.to_thread, a worker) starts on device 0."""
-    torch = sys.modules.get("torch")
-    if device is None or torch is None or not torch.cuda.is_available():
+    if device is None or not is_cuda_available():
         yield
         return
-    with torch.cuda.device(device):
+    with loaded_torch().cuda.device(device):
         yield
 
 

@@ -35,7 +35,7 @@ def nccl_version_in_file(path: str) -> Optional[tuple]:
 
 def torch_built_nccl_version() -> Optional[tuple]:
     try:
-        import torch
+        import torch  # optional: torch may be missing (None then)
 
         version = torch.cuda.nccl.version()
     except Exception:

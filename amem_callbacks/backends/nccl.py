@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
+from ..availability import is_cuda_available, loaded_torch
 from ..errors import BackendUnavailable, NcclError
 from ..nccl_library import (
     STAT_PERSIST, STAT_SUSPENDABLE, STAT_SUSPENDED, STAT_TOTAL, SUSPEND_MIN_VERSION,
@@ -32,7 +33,7 @@ def suspend_capable_nccl_fix() -> str:
     """The pip command that brings a suspend-capable NCCL for this torch's CUDA."""
     cuda_major = "13"
     try:
-        import torch
+        import torch  # optional: torch may be missing; the fix names cu13 then
 
         if torch.version.cuda:
             cuda_major = torch.version.cuda.split(".")[0]
@@ -94,12 +95,10 @@ class CommHandle:
 def torch_comm_handle(group, prefer: str = "auto", device: Optional[int] = None) -> tuple:
     """``(CommHandle, None)`` for an NCCL group with a communicator on this
     rank's device, else ``(None, why)``."""
-    import torch
-
-    if not torch.cuda.is_available():
+    if not is_cuda_available():
         return None, "no CUDA device"
     if device is None:
-        device = torch.cuda.current_device()
+        device = loaded_torch().cuda.current_device()
     torch_backend, why = torch_backend_of(group, device)
     if torch_backend is None:
         return None, why

@@ -124,7 +124,7 @@ def how_to_reach(torch_backend, prefer: str = "auto") -> Reach:
 def nccl_classes() -> dict:
     """Every NCCL backend class this torch has -> how the nccl backend reaches it."""
     try:
-        from torch._C import _distributed_c10d as c10d_ext
+        from torch._C import _distributed_c10d as c10d_ext  # optional: a torch without c10d
     except ImportError:
         return {}
     return {name: how_to_reach(getattr(c10d_ext, name)) for name in sorted(dir(c10d_ext))
@@ -133,7 +133,7 @@ def nccl_classes() -> dict:
 
 def torch_backend_of(group, device: int):
     """``(torch backend object, None)`` of ``group`` on CUDA ``device``, else ``(None, why)``."""
-    import torch
+    import torch  # light import: torch
 
     try:
         backend = group._get_backend(torch.device("cuda", device))

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import importlib.util
 import logging
 import os
 import runpy
 import sys
 from typing import Callable, Optional, Sequence
+
+from ..availability import is_importable
 
 
 def run_with_flags(parser: argparse.ArgumentParser, argv: Sequence[str],
@@ -32,7 +33,7 @@ def run_with_flags(parser: argparse.ArgumentParser, argv: Sequence[str],
     as_module = rest[:1] == ["-m"] and len(rest) > 1
     if not (as_module or rest and not rest[0].startswith("-")):
         parser.error("give the script to run first: SCRIPT.py [ARGS...] or -m MODULE [ARGS...]")
-    if as_module and not _module_exists(rest[1]):
+    if as_module and not is_importable(rest[1]):
         parser.error(f"no module named {rest[1]!r}")
     if not as_module and not os.path.isfile(rest[0]):
         parser.error(f"no such script: {rest[0]}")
@@ -85,10 +86,3 @@ def log_to_stderr() -> None:
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     log.propagate = False  # the script may configure the root logger too: one line each
-
-
-def _module_exists(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):  # a missing parent package raises
-        return False
