@@ -8,14 +8,17 @@ came in by, with a message that says what to write instead.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import inspect
 import math
 import threading
 from typing import Callable, Mapping, Optional
 
+from .backends import backend_class
 from .errors import OptionError
 from .groups import existing_group_names, registered_roles
+from .states import BackendName, GuardMode, backend_name, guard_mode
 
 #: Below this many suspendable bytes a group stays active: a transition costs
 #: hundreds of ms per communicator whatever its size (measured: ~375 ms
@@ -26,8 +29,10 @@ DEFAULT_MIN_BYTES = 16 * 2**20
 # takes suspend 2.63 / 2.41 / 2.38 s and resume 2.01 / 1.46 / 1.27 s with 1 / 4 /
 # 8 threads; past 4 threads NCCL's own barriers dominate.
 DEFAULT_WORKERS = 4
-BACKEND_CHOICES = ("auto", "nccl", "amem", "noop")
-GUARD_CHOICES = ("resume", "strict", "off")
+#: The words ``backend=`` and ``guard=`` take, from their enums (states.py),
+#: for argparse ``choices=`` and messages.
+BACKEND_CHOICES = BackendName.choices()
+GUARD_CHOICES = GuardMode.choices()
 
 # Upper bounds, each where a value really stops working (measured on CPython
 # 3.11, torch 2.13): past them a value passed construction and failed at the
@@ -95,9 +100,6 @@ def check_wait(name, value, maximum=MAX_WAIT_S, why=WAIT_LIMIT) -> None:
 def number_type(what: str, ok: Callable[[float], bool]) -> Callable[[str], float]:
     """An argparse ``type=``: a finite number ``ok`` accepts, else a message
     saying ``what`` to write (the CLI's and Megatron's flags share these)."""
-    import argparse
-    import math
-
     def parse(text: str) -> float:
         try:
             value = float(text)
@@ -115,8 +117,6 @@ def roles_type(valid, aliases: Optional[Mapping] = None) -> Callable[[str], tupl
     """An argparse ``type=`` for a comma list of group roles out of ``valid``
     (``aliases``: other spellings of them): ``"tp,dp"`` -> ``("tp", "dp")``; an
     unknown role fails naming the valid ones."""
-    import argparse
-
     aliases = aliases or {}
 
     def parse(text: str) -> tuple:
@@ -180,9 +180,7 @@ def normalise_keep(keep, validate_names: bool = True) -> dict:
 
 def _check_backend(backend) -> None:
     if isinstance(backend, str):
-        if backend not in BACKEND_CHOICES:
-            raise OptionError(f"unknown backend {backend!r}: write one of "
-                              f"{', '.join(map(repr, BACKEND_CHOICES))} (or pass a Backend instance)")
+        backend_name(backend)
     elif not all(hasattr(backend, a) for a in ("check", "suspend", "resume", "communicator")):
         raise OptionError(f"backend must be one of {BACKEND_CHOICES} or a Backend instance, "
                           f"got {backend!r}")
@@ -190,18 +188,16 @@ def _check_backend(backend) -> None:
 
 def _check_backend_options(backend_options) -> dict:
     """Each entry's keys and values against that backend's real constructor."""
-    from .backends import backend_class
-
     if backend_options is None:
         return {}
     if not isinstance(backend_options, Mapping):
         raise OptionError("backend_options must be a dict such as "
                           "{'nccl': {'path': 'ctypes'}} or {'amem': {'library_path': '/path/"
                           f"libnccl.so.2'}}, got {backend_options!r}")
-    unknown = sorted(set(backend_options) - set(BACKEND_CHOICES[1:]))
+    unknown = sorted(set(backend_options) - set(BackendName.concrete()))
     if unknown:
         raise OptionError(f"backend_options has unknown backends {unknown}: use "
-                          f"{list(BACKEND_CHOICES[1:])}")
+                          f"{list(BackendName.concrete())}")
     for name, given in backend_options.items():
         if not isinstance(given, Mapping):
             raise OptionError(f"backend_options[{name!r}] must be a dict of that backend's "
@@ -286,8 +282,7 @@ class OffloadOptions:
 
     def __post_init__(self):
         _check_backend(self.backend)
-        if self.guard not in GUARD_CHOICES:
-            raise OptionError(f"unknown guard mode {self.guard!r}: write one of {GUARD_CHOICES}")
+        guard_mode(self.guard)
         self._check_numbers()
         for name in ("overlap", "learn_keep"):
             check_bool(name, getattr(self, name))
@@ -373,7 +368,7 @@ def plain(value):
     """An omegaconf DictConfig/ListConfig (hydra's configs) as plain containers;
     anything else unchanged."""
     if type(value).__module__.startswith("omegaconf"):
-        from omegaconf import OmegaConf
+        from omegaconf import OmegaConf  # optional: only hydra's configs bring omegaconf
 
         return OmegaConf.to_container(value, resolve=True)
     return value

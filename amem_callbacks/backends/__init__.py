@@ -4,29 +4,32 @@ from __future__ import annotations
 
 import importlib
 
-from ..errors import BackendUnavailable
+from ..errors import BackendUnavailable, OptionError
 from ..log import logger
+from ..states import BackendName, backend_name
 
-
-#: name -> (module, class); ``auto`` tries them in this order, noop last.
+#: name -> (module, class), one entry per BackendName but "auto"; ``auto`` tries
+#: them in this order, noop last. Each module is imported when it is asked for.
 BACKENDS = {
-    "nccl": ("amem_callbacks.backends.nccl", "NcclBackend"),
-    "amem": ("amem_callbacks.backends.amem", "AmemBackend"),
-    "noop": ("amem_callbacks.backends.noop", "NoopBackend"),
+    BackendName.NCCL.value: ("amem_callbacks.backends.nccl", "NcclBackend"),
+    BackendName.AMEM.value: ("amem_callbacks.backends.amem", "AmemBackend"),
+    BackendName.NOOP.value: ("amem_callbacks.backends.noop", "NoopBackend"),
 }
-CHOICES = ("auto",) + tuple(BACKENDS)
-
-
-def validate_backend_name(name) -> None:
-    if not isinstance(name, str) or name not in CHOICES:
-        raise ValueError(f"unknown backend {name!r}: write one of {', '.join(map(repr, CHOICES))} "
-                         "(or pass a Backend instance)")
+assert tuple(BACKENDS) == BackendName.concrete(), "every BackendName but auto has a class"
+#: Every name ``backend=`` takes, from the enum.
+CHOICES = BackendName.choices()
 
 
 def backend_class(name: str):
-    """The class of a named backend (its module imports no torch)."""
-    validate_backend_name(name)
-    module_name, class_name = BACKENDS[name]
+    """The class of a named backend (its module imports no torch); OptionError
+    for an unknown name, or for "auto", which stands for no one class."""
+    name = backend_name(name)
+    if name is BackendName.AUTO:
+        raise OptionError("backend 'auto' is not one backend: select_backend('auto', ...) "
+                          f"picks one at start-up; name one of {list(BackendName.concrete())} "
+                          "here")
+    module_name, class_name = BACKENDS[name.value]
+    # by name, when asked for: the module of a backend not used is never imported
     return getattr(importlib.import_module(module_name), class_name)
 
 
@@ -51,7 +54,7 @@ def select_backend(name, options: dict) -> tuple:
                            "allocated and training runs unchanged: %s", name, exc)
             return create_backend("noop"), str(exc), True
     reasons = []
-    for candidate in ("nccl", "amem"):
+    for candidate in [name for name in BACKENDS if name != BackendName.NOOP]:  # noop: the fallback
         backend = create_backend(candidate, **options.get(candidate, {}))
         try:
             description = backend.check()
