@@ -154,3 +154,40 @@ def test_memory_readings_without_cuda_start_nothing(torch_cuda, monkeypatch):
     memory.empty_cache()
     with memory.on_device(0):  # no CUDA: no device switch, no error
         pass
+
+
+#: Modules that import torch at the top on purpose: each runs only in a rank
+#: process or as a command of its own (see their docstrings).
+TORCH_AT_THE_TOP = {"amem_callbacks.tools.bench_rank", "amem_callbacks.tools.demo_rank",
+                    "amem_callbacks.tools.probe"}
+
+
+def _modules() -> list:
+    names = []
+    for folder, _, files in os.walk(os.path.join(ROOT, "amem_callbacks")):
+        for file in sorted(files):
+            if file.endswith(".py"):
+                path = os.path.relpath(os.path.join(folder, file), ROOT)[:-3]
+                names.append(path.replace(os.sep, ".").removesuffix(".__init__"))
+    return sorted(names)
+
+
+def test_each_module_imports_alone_and_light():
+    """Each module imported first in a new interpreter: an import cycle fails
+    here in whichever order it bites; and none but the rank modules brings torch."""
+    script = textwrap.dedent("""
+        import subprocess, sys
+        bad = []
+        for name in sys.argv[1:]:
+            code = f"import sys, {name}; print('torch' in sys.modules)"
+            run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+            bad.append(f"{name}: {run.stdout.strip() or run.stderr.strip().splitlines()[-1]}")
+        print("\\n".join(bad))
+    """)
+    out = subprocess.run([sys.executable, "-c", script, *_modules()], capture_output=True,
+                         text=True, timeout=600, cwd=ROOT)
+    lines = dict(line.split(": ", 1) for line in out.stdout.strip().splitlines())
+    assert "amem_callbacks.availability" in lines
+    wrong = {name: got for name, got in lines.items()
+             if got != str(name in TORCH_AT_THE_TOP)}
+    assert not wrong, wrong

@@ -199,7 +199,7 @@ def plot(timeline: list, path: str):
     why not, in a few words (the bench prints it and puts it in the JSON)."""
     if not timeline:
         return "a dry run samples no device memory (no GPU)"
-    try:
+    try:  # optional: matplotlib (both; pyplot only after the Agg backend is chosen)
         import matplotlib
 
         matplotlib.use("Agg")

@@ -12,7 +12,13 @@ import tempfile
 import time
 
 from .. import __version__
-from ..options import BACKEND_CHOICES, MAX_WORKERS, number_type
+from ..options import MAX_WORKERS, number_type
+from ..states import BackendName
+from .bench import MODES, ROLES
+from .bench import main as bench_main
+from .bench_stages import FULL, QUICK, resolve
+from .demo import main as demo_main
+from .doctor import main as doctor_main
 
 MIN_RANKS = 2  # a 1-rank communicator has no peer buffers to free
 # Upper bounds of the tools' numbers: past them a run does not finish in any
@@ -27,8 +33,6 @@ MAX_GB = 2**20  # 1 PiB: more than any GPU holds
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .bench_stages import FULL, QUICK
-
     parser = argparse.ArgumentParser(
         prog="amem-callbacks",
         description="Free idle NCCL communicator memory during RL rollout.")
@@ -59,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--rollout-s", type=positive_seconds, default=0.5, metavar="SECONDS",
                       help="compute time of each rollout, while the idle groups are suspended "
                            "(default 0.5)")
-    demo.add_argument("--backend", choices=BACKEND_CHOICES, default=None,
+    demo.add_argument("--backend", choices=BackendName.choices(), default=None,
                       help="default: auto on GPUs (falls back to running unchanged), noop on "
                            "CPU; a backend named here that cannot work stops the demo at once, "
                            "saying why")
@@ -111,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"small collectives per side for P3, in 24 alternating blocks "
                             f"(quick {QUICK['guard_calls']}, full {FULL['guard_calls']})")
     # Not "auto": a bench measures one named backend's cost.
-    bench.add_argument("--backend", choices=BACKEND_CHOICES[1:], default=None,
+    bench.add_argument("--backend", choices=BackendName.concrete(), default=None,
                        help="default: nccl on GPUs, noop on CPU (a dry run); a backend that "
                             "cannot work here stops the bench at once, saying why")
     bench.add_argument("--out", metavar="DIR", default=None,
@@ -142,12 +146,6 @@ def whole(what: str, minimum: int, maximum: int):
     return parse
 
 
-def _roles_count() -> int:
-    from .bench import ROLES
-
-    return len(ROLES)
-
-
 ranks = whole(f"a whole number of ranks >= {MIN_RANKS} (a 1-rank communicator has no peer "
               f"buffers to free) and <= {MAX_RANKS}", MIN_RANKS, MAX_RANKS)
 positive_int = whole(f"a whole number >= 1 and <= {MAX_STEPS}", 1, MAX_STEPS)
@@ -164,8 +162,8 @@ fraction = number_type("a fraction between 0 and 1, e.g. 0.6", lambda v: 0 < v <
 
 def group_count(text: str) -> int:
     """As many groups as the bench has roles for (it used to cut a larger count silently)."""
-    return whole(f"a whole number of groups >= 1 and <= {_roles_count()} (the bench's "
-                 "Megatron-like roles)", 1, _roles_count())(text)
+    return whole(f"a whole number of groups >= 1 and <= {len(ROLES)} (the bench's "
+                 "Megatron-like roles)", 1, len(ROLES))(text)
 
 
 def int_list(text: str) -> list:
@@ -177,8 +175,6 @@ def int_list(text: str) -> list:
 
 
 def mode_list(text: str) -> tuple:
-    from .bench import MODES
-
     modes = tuple(m.strip() for m in text.split(",") if m.strip())
     unknown = [m for m in modes if m not in MODES]
     if unknown or "none" not in modes:
@@ -218,8 +214,6 @@ def unwritable(folder: str):
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "doctor":
-        from .doctor import main as doctor_main
-
         headroom = None
         if args.freed_gb is not None or args.vllm_utilization is not None:
             if args.freed_gb is None or args.vllm_utilization is None:
@@ -235,14 +229,9 @@ def main(argv=None) -> int:
         print(f"amem-callbacks {args.command}: {why}", file=sys.stderr)
         return 2
     if args.command == "demo":
-        from .demo import main as demo_main
-
         return demo_main(steps=args.steps, rollout_s=args.rollout_s, backend=args.backend,
                          ranks=args.ranks, out=args.out)
     if args.command == "bench":
-        from .bench import main as bench_main
-        from .bench_stages import resolve
-
         return bench_main(resolve(args))
     return 2
 

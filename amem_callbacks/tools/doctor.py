@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import platform
+import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
+from importlib import metadata
 from typing import Optional
 
 from .. import __version__
+from ..availability import is_cuda_available
+from ..backends import select_backend
+from ..backends.amem import nccl_version_in_file, torch_built_nccl_version
+from ..backends.nccl import suspend_capable_nccl_fix
+from ..backends.torch_comms import Path, nccl_classes
+from ..headroom import gpu_total_bytes, vllm_headroom
+from ..nccl_library import SUSPEND_MIN_VERSION, NcclLibrary, loaded_nccl_paths, version_string
 
 
 @dataclass
@@ -40,16 +51,16 @@ def diagnose(amem_library: Optional[str] = None, probe: bool = True) -> Diagnosi
     f["amem_callbacks"] = __version__
     f["python"] = platform.python_version()
     try:
-        import torch
+        import torch  # optional: the doctor says how to install it; the CLI parses without it
     except ImportError:
         d.problems.append(Problem("torch is not installed",
                                   "pip install torch (the CUDA build your framework needs)"))
         return d
     f["torch"] = torch.__version__
     f["torch_cuda"] = torch.version.cuda
-    f["cuda_available"] = torch.cuda.is_available()
+    f["cuda_available"] = is_cuda_available()
     f["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
-        if torch.cuda.is_available() else []
+        if is_cuda_available() else []
     if not torch.version.cuda:
         d.problems.append(Problem("this torch is a CPU-only build: there is no NCCL to suspend",
                                   "install a CUDA build of torch on the GPU machines"))
@@ -65,15 +76,12 @@ def diagnose(amem_library: Optional[str] = None, probe: bool = True) -> Diagnosi
         amem_library = None
     _env_facts(d, amem_library)
     _pick(d, amem_library)
-    if probe and torch.cuda.is_available() and d.backend == "nccl":
+    if probe and is_cuda_available() and d.backend == "nccl":
         _probe(d)
     return d
 
 
 def _nccl_facts(d: Diagnosis, torch) -> None:
-    from ..backends.nccl import suspend_capable_nccl_fix
-    from ..nccl_library import SUSPEND_MIN_VERSION, NcclLibrary, loaded_nccl_paths, version_string
-
     f = d.facts
     try:
         built = torch.cuda.nccl.version() if torch.version.cuda else None
@@ -109,9 +117,6 @@ def _nccl_facts(d: Diagnosis, torch) -> None:
 
 
 def _env_facts(d: Diagnosis, amem_library: Optional[str]) -> None:
-    from ..backends.amem import nccl_version_in_file, torch_built_nccl_version
-    from ..nccl_library import version_string
-
     f = d.facts
     for name in ("NCCL_CUMEM_ENABLE", "AMEM_ENABLE", "NCCL_NVLS_ENABLE", "LD_PRELOAD"):
         f[name] = os.environ.get(name)
@@ -140,10 +145,6 @@ def _env_facts(d: Diagnosis, amem_library: Optional[str]) -> None:
 
 
 def _pick(d: Diagnosis, amem_library: Optional[str]) -> None:
-    import logging
-
-    from ..backends import select_backend
-
     logger = logging.getLogger("amem_callbacks")
     level = logger.level
     logger.setLevel(logging.ERROR)  # the doctor reports the choice itself
@@ -158,8 +159,6 @@ def _pick(d: Diagnosis, amem_library: Optional[str]) -> None:
 
 def torch_nccl_pin() -> Optional[str]:
     """The nvidia-nccl requirement in torch's own metadata, e.g. 'nvidia-nccl-cu13==2.30.7'."""
-    from importlib import metadata
-
     try:
         requires = metadata.requires("torch") or []
     except metadata.PackageNotFoundError:
@@ -171,8 +170,6 @@ def torch_nccl_pin() -> Optional[str]:
 
 
 def installed_nccl_wheels() -> dict:
-    from importlib import metadata
-
     out = {}
     for name in ("nvidia-nccl-cu12", "nvidia-nccl-cu13"):
         try:
@@ -184,8 +181,6 @@ def installed_nccl_wheels() -> dict:
 
 def _paths(d: Diagnosis) -> None:
     """Per NCCL backend class of this torch: the path the nccl backend would take."""
-    from ..backends.torch_comms import Path, nccl_classes
-
     classes = nccl_classes()
     d.facts["nccl_backend_classes"] = {
         name: (reach.path.value if reach.path else "none") + f" - {reach.why}"
@@ -198,9 +193,6 @@ def _paths(d: Diagnosis) -> None:
 
 
 def _probe(d: Diagnosis) -> None:
-    import json
-    import subprocess
-
     try:
         run = subprocess.run([sys.executable, "-m", "amem_callbacks.tools.probe"],
                              capture_output=True, text=True, timeout=180)
@@ -247,8 +239,6 @@ HEADROOM_HOW = ("measured at a job's first begin: the log line 'amem_callbacks: 
 
 
 def headroom_fact(freed_gb: float, utilization: float, gpu_gb: Optional[float]) -> str:
-    from ..headroom import gpu_total_bytes, vllm_headroom
-
     total = int(gpu_gb * 2**30) if gpu_gb else gpu_total_bytes()
     if not total:
         return "the GPU's total memory is unknown here: give --gpu-gb"
@@ -260,8 +250,6 @@ def main(as_json: bool = False, amem_library: Optional[str] = None, probe: bool 
          headroom: Optional[tuple] = None) -> int:
     """Exit status 1 when ``auto`` would leave training untouched (a launch
     script can gate on it), else 0; ``--json`` keeps every detail."""
-    import json
-
     d = diagnose(amem_library, probe)
     d.facts["headroom"] = headroom_fact(*headroom) if headroom else HEADROOM_HOW
     print(json.dumps(d.as_dict(), indent=1, default=str) if as_json else render(d))

@@ -12,8 +12,15 @@ same device, and the ranks' transitions compete for it).
 from __future__ import annotations
 
 import os
+import socket
+import warnings
 from dataclasses import dataclass, field
 from typing import Optional
+
+from ..availability import is_cuda_available
+from ..backends import create_backend
+from ..errors import BackendUnavailable
+from ..nccl_library import NcclLibrary, version_string
 
 MULTI_RANK_MIN_VERSION = (2, 30, 0)
 MULTI_RANK_ENV = {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}
@@ -23,8 +30,6 @@ def free_port() -> int:
     """A TCP port free on this host now, for a c10d store the tools start (the one
     helper of the package, the tests and the GPU drivers; a port can be taken again
     between this call and the bind, which the callers' short windows make rare)."""
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -35,6 +40,8 @@ def gather_ints(values: list, group) -> list:
 
     Plain int64 tensors, not ``all_gather_object``: torch's object collectives
     need numpy, which a fresh ``pip install torch`` does not bring."""
+    # light import: torch (both). The tests' harness and the GPU drivers import
+    # this module for free_port before torch, and the tools quiet numpy first.
     import torch
     import torch.distributed as dist
 
@@ -51,8 +58,6 @@ def quiet_missing_numpy() -> None:
     """Before torch is imported: without numpy (a fresh ``pip install torch``) torch
     warns about it in every process, though the tools do not need it. The rule
     goes into PYTHONWARNINGS too, for the rank processes torch starts."""
-    import warnings
-
     warnings.filterwarnings("ignore", message=_NUMPY_WARNING, category=UserWarning)
     rule = f"ignore:{_NUMPY_WARNING}:UserWarning"
     current = os.environ.get("PYTHONWARNINGS", "")
@@ -62,7 +67,7 @@ def quiet_missing_numpy() -> None:
 
 def local_device(local_rank: int) -> int:
     """The GPU of a local rank: round robin over the visible GPUs."""
-    import torch
+    import torch  # light import: torch (see gather_ints)
 
     return local_rank % max(1, torch.cuda.device_count())
 
@@ -96,11 +101,9 @@ class Layout:
 
 def plan_ranks(requested: Optional[int] = None) -> Layout:
     """At least 2 ranks (a communicator needs peers to hold buffers), default one per GPU."""
-    import torch
+    import torch  # light import: torch, after the tools' quiet_missing_numpy()
 
-    from ..nccl_library import NcclLibrary, version_string
-
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = torch.cuda.device_count() if is_cuda_available() else 0
     ranks = requested or max(2, gpus)
     if gpus == 0 or ranks <= gpus:
         return Layout(ranks=ranks, gpus=gpus)
@@ -123,9 +126,6 @@ def backend_refusal(name: Optional[str], on_gpu: bool) -> Optional[str]:
     if not on_gpu:
         return (f"--backend {name} needs GPUs with NCCL and this machine has none: leave "
                 "--backend out for the CPU dry run (noop)")
-    from ..backends import create_backend
-    from ..errors import BackendUnavailable
-
     try:
         create_backend(name).check()
     except BackendUnavailable as exc:

@@ -5,6 +5,7 @@ on a machine with CUDA: it is the only way to know which class torch's
 ``"nccl"`` backend really creates here, which path the nccl backend takes on
 it, and whether the loaded NCCL suspends a communicator torch made. A crash
 (an NCCL mismatch) ends this process, not the doctor. Prints one JSON line.
+Only run as that command (nothing imports it), so it imports torch at the top.
 """
 
 from __future__ import annotations
@@ -12,16 +13,16 @@ from __future__ import annotations
 import json
 import os
 import sys
+
+import torch
+import torch.distributed as dist
+
+from ..backends.nccl import NcclBackend
+from ..backends.torch_comms import torch_backend_of
 from .launch import free_port
 
 
 def probe(backend_name: str = "nccl") -> dict:
-    import torch
-    import torch.distributed as dist
-
-    from amem_callbacks.backends.nccl import NcclBackend
-    from amem_callbacks.backends.torch_comms import torch_backend_of
-
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
                       WORLD_SIZE="1")
     torch.cuda.set_device(0)
