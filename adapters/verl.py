@@ -78,7 +78,7 @@ class WorkerSession(SessionViews):
                 if late:
                     logger.warning("amem_callbacks: rank(s) %s had not freed their NCCL memory "
                                    "within %g s; the KV cache may come back before it is free",
-                                   late, self.policy.agree_timeout_s)
+                                   late, self.policy.options.agree_timeout_s)
 
     def rollout_ended(self) -> bool:
         """The driver says rollout is over: start resuming in the background."""

@@ -85,13 +85,7 @@ class OffloadPolicy:
         self._recent: collections.deque = collections.deque(maxlen=6)
 
     # --- what the options and the set-up say -----------------------------
-    def __getattr__(self, name):
-        # Read-only views of the options (policy.overlap, policy.min_bytes, ...).
-        options = self.__dict__.get("options")
-        if options is not None and name in OffloadOptions.names():
-            return getattr(options, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
+    # (options are read from ``policy.options``; the policy serves none of them itself)
     @property
     def guard_mode(self) -> GuardMode:
         return GuardMode(self.options.guard)

@@ -88,7 +88,9 @@ def test_options_object_or_keywords_and_not_a_stray_positional():
     from amem_callbacks import OffloadOptions
 
     options = OffloadOptions(keep=["world"], overlap=True)
-    assert OffloadPolicy(options).overlap and OffloadPolicy(overlap=True).overlap
+    assert OffloadPolicy(options).options.overlap and OffloadPolicy(overlap=True).options.overlap
+    with pytest.raises(AttributeError):  # options are read from policy.options only
+        OffloadPolicy(overlap=True).overlap
     assert OffloadPolicy(options, min_bytes=0).options.keep_for("x") == {"world"}
     assert OffloadPolicy("noop").options.backend == "noop"  # the old positional backend
     with pytest.raises(ValueError, match="takes an OffloadOptions or keyword arguments"):
