@@ -167,6 +167,16 @@ class Agreement:
             result[key] = {r: (None if v == MISSING else v) for r, v in zip(members, got)}
         return result
 
+    def share(self, name: str, value: str, members) -> tuple:
+        """Collective over ``members``: share one string under ``name`` (an
+        adapter's own round: a barrier, the KV growth's sizes), bounded like
+        :meth:`exchange`. Returns ``({rank: value}, [ranks that did not arrive
+        in time])``, the same on every member."""
+        key = f"__exchange__/{name}"
+        seen = self.exchange({key: (tuple(sorted(members)), value)})[key]
+        return ({r: v for r, v in seen.items() if v is not None},
+                [r for r, v in seen.items() if v is None])
+
 
 # Round numbers must continue across every policy of a process: two policies
 # that started both at round 0 would read each other's stored decisions, and a

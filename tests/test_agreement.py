@@ -109,3 +109,20 @@ def test_an_exchange_on_time_gives_every_value_to_everyone():
     for t in threads:
         t.join(30)
     assert results[0] == results[1] == {0: "v0", 1: "v1"}
+
+
+def test_share_splits_values_from_missing_ranks_in_any_member_order():
+    """An adapter's own round (RolloutSession.store_exchange/store_barrier)."""
+    store = dist.HashStore()
+    results = {}
+
+    def rank(r):
+        results[r] = Agreement(store, r, 0.5).share("sizes", f"v{r}", [1, 0, 2])
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert results[0] == results[1] == ({0: "v0", 1: "v1"}, [2])
+    assert store.check(["amem_callbacks/outcome/__exchange__/sizes/0/0"])
