@@ -250,9 +250,8 @@ class AMemCallback(TrainerCallback, SessionViews):
     # --- metrics ------------------------------------------------------------------
     def _log_with_metrics(self, original, logs, *args, **kwargs):
         # Eval logs are prefixed by the trainer from their first key: leave them alone.
-        policy = self.policy
-        if (self.log_metrics and policy is not None and isinstance(logs, dict) and logs
-                and (policy.counters.begins or policy.inert)
+        # metrics() is {} until the policy's first begin set it up (a real one, or inert).
+        if (self.log_metrics and isinstance(logs, dict) and logs
                 and not str(next(iter(logs))).startswith("eval_")):
             logs.update(self.metrics())
         return original(logs, *args, **kwargs)

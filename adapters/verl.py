@@ -62,7 +62,7 @@ class WorkerSession(SessionViews):
     @property
     def reports(self) -> dict:
         """"begin"/"end" -> the last finished report of each."""
-        return {kind: r for kind in ("begin", "end") if (r := self.session.last(kind))}
+        return {kind: r for kind, r in (("begin", self.last_begin), ("end", self.last_end)) if r}
 
     def suspend(self, kv_cache_next: bool = True) -> None:
         """Suspend the idle groups and return once they are free. With the KV cache

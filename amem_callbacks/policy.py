@@ -24,8 +24,8 @@ from .decide import Setup, agree_setup, plan_begin
 from .errors import PhaseError, TransitionError, TransitionTimeout
 from .groups import distributed_ready
 from .learning import LearnedKeeps
-from .options import (MAX_BYTES, MAX_WAIT_S, OffloadOptions, OptionError, check_number,
-                      check_phase, check_wait, options_from)
+from .options import (MAX_WAIT_S, OffloadOptions, OptionError, check_phase, check_wait,
+                      options_from)
 from .report import Counters, TransitionReport
 from .states import GuardMode, Kind, Outcome
 from .transitions import Transitions
@@ -218,28 +218,6 @@ class OffloadPolicy:
             self._wait_pending(timeout_s)
             return self.last_report
 
-    def wait_for_free(self, nbytes: Optional[int] = None,
-                      timeout_s: Optional[float] = None) -> int:
-        """Block until the running ``begin`` has freed ``nbytes`` on this rank
-        (by NCCL's account; default: all it will free), or has finished.
-
-        Where the phase allocates memory right away (a KV cache), call this
-        just before the allocation: the suspends of an overlapped ``begin``
-        then run while everything before it runs. Returns the bytes freed by
-        the latest ``begin`` so far (0 when nothing was suspended).
-        """
-        if nbytes is not None:
-            check_number("nbytes", nbytes, minimum=0, integer=True, maximum=MAX_BYTES,
-                         why="2**63 - 1: NCCL counts bytes in 64 bits")
-        if timeout_s is not None:
-            check_wait("timeout_s", timeout_s)
-        if self._transitions is None:
-            return 0
-        if nbytes is None:
-            self.wait(timeout_s)
-            return self._transitions.wait_for_bytes(0, timeout_s or 1.0)
-        return self._transitions.wait_for_bytes(nbytes, self._timeout(timeout_s))
-
     def forget_learned(self, phase: Optional[str] = None) -> None:
         """Drop the learned keep-sets (of one phase, or all): after the model or
         the process groups changed, the next phases learn afresh."""
@@ -278,29 +256,6 @@ class OffloadPolicy:
                     out.update(self._figures(*found, prefix))
         return out
 
-    def store_barrier(self, name: str) -> list:
-        """Collective over all ranks: return once every rank has called it with
-        the same ``name``, or after ``agree_timeout_s``. It goes through the
-        c10d store, never NCCL, so it is safe while groups are suspended (an
-        adapter uses it when one rank's next step needs every rank's memory
-        free). Returns the ranks that did not arrive in time (empty: all did).
-        """
-        return self.store_exchange(name, "here", None)[1]
-
-    def store_exchange(self, name: str, value: str, ranks=None) -> tuple:
-        """Collective over ``ranks`` (default all), through the c10d store: share
-        one string. Returns ``({rank: value}, [ranks that did not arrive])``."""
-        if self._setup is None or self._setup.agreement is None:
-            return {}, []
-        import torch.distributed as dist
-
-        key = f"__exchange__/{name}"
-        members = tuple(sorted(ranks)) if ranks is not None else tuple(
-            range(dist.get_world_size()))
-        seen = self._setup.agreement.exchange({key: (members, value)})[key]
-        return ({r: v for r, v in seen.items() if v is not None},
-                [r for r, v in seen.items() if v is None])
-
     def close(self) -> None:
         """End an active phase (collective) and wait for pending work."""
         if self._phase is not None:
@@ -308,6 +263,23 @@ class OffloadPolicy:
         self.wait()
 
     # --- internals -------------------------------------------------------
+    # (RolloutSession, the seam the adapters drive, reads these two)
+    @property
+    def _agreement(self):
+        """The store agreement of this policy's set-up (None before the first begin)."""
+        return self._setup.agreement if self._setup is not None else None
+
+    def _wait_for_bytes(self, nbytes: Optional[int], timeout_s: Optional[float]) -> int:
+        """Block until the running begin has freed ``nbytes`` on this rank (None:
+        all it will free) or has finished; the bytes freed so far (0: none ran).
+        Arguments are checked by the caller (:meth:`RolloutSession.wait_for_memory`)."""
+        if self._transitions is None:
+            return 0
+        if nbytes is None:
+            self.wait(timeout_s)
+            return self._transitions.wait_for_bytes(0, timeout_s or 1.0)
+        return self._transitions.wait_for_bytes(nbytes, self._timeout(timeout_s))
+
     def _new_report(self, phase: str, kind: Kind) -> TransitionReport:
         return TransitionReport(phase=phase, kind=kind, backend=self.backend.name,
                                 started=time.monotonic(), pending=True,

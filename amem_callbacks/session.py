@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+from .options import MAX_BYTES, check_number, check_wait
 from .report import TransitionReport
 from .states import Kind, Status
 
@@ -58,11 +59,76 @@ class Freed:
     done_at: Optional[float] = None
 
 
-class RolloutSession:
+class SessionViews:
+    """What is shown of a rollout session, written once: :class:`RolloutSession`
+    shows it of itself, and each adapter (TRL's callback, verl's worker session,
+    Megatron's controller) of the session it holds in ``session``, which is None
+    until the adapter makes it (then: no policy, not active, no reports, no
+    metrics)."""
+
+    session: Optional["RolloutSession"] = None
+
+    def _viewed(self) -> Optional["RolloutSession"]:
+        return self.session
+
+    @property
+    def policy(self):
+        """The :class:`~amem_callbacks.OffloadPolicy` the session drives (None before it is made)."""
+        session = self._viewed()
+        return session._policy if session is not None else None
+
+    @property
+    def active(self) -> bool:
+        """Whether the session's phase is open on this rank."""
+        session = self._viewed()
+        return session is not None and session._policy._phase is not None
+
+    @property
+    def headroom(self):
+        """What the first begin's freed memory allows the rollout engine's share, or None."""
+        session = self._viewed()
+        return session._headroom if session is not None else None
+
+    @property
+    def last_begin(self) -> Optional[TransitionReport]:
+        """The latest finished begin report."""
+        return self._last(Kind.BEGIN)
+
+    @property
+    def last_end(self) -> Optional[TransitionReport]:
+        """The latest finished end report."""
+        return self._last(Kind.END)
+
+    def metrics(self, prefix: str = "amem/") -> dict:
+        """The policy's figures (:meth:`OffloadPolicy.metrics`: totals, inert,
+        pending, the last finished begin and end: the same keys as plain torch),
+        plus the caller's waits and the headroom, flat for the framework's
+        logger; {} before the policy's first begin set it up."""
+        session = self._viewed()
+        if session is None or (not session.history and session._policy._setup is None):
+            return {}
+        out = session._policy.metrics(prefix)
+        for name, seconds in session.waited.items():
+            out[f"{prefix}total/caller_wait_{name}_seconds"] = seconds
+        if session._headroom is not None:
+            out.update(session._headroom.as_dict(prefix))
+        return out
+
+    def _last(self, kind: Kind) -> Optional[TransitionReport]:
+        session = self._viewed()
+        for _where, report in reversed(session.history if session is not None else ()):
+            if report.kind == kind and not report.pending:
+                return report
+        return None
+
+
+class RolloutSession(SessionViews):
     """The rollout phase of one training process.
 
     ``start`` and ``stop`` are collective: every rank reaches them at the same
-    point of the same framework call.
+    point of the same framework call. What it shows (``policy``, ``active``,
+    ``headroom``, ``last_begin``, ``last_end``, ``metrics()``) is
+    :class:`SessionViews`'.
 
     Args:
         policy: the :class:`~amem_callbacks.OffloadPolicy` to drive.
@@ -71,17 +137,17 @@ class RolloutSession:
     """
 
     def __init__(self, policy, *, phase: str = PHASE, history: int = 16):
-        self.policy = policy
+        self._policy = policy
         self.phase = phase
         self.history: collections.deque = collections.deque(maxlen=history)
         self.waited = {"start": 0.0, "stop": 0.0, "memory": 0.0}  # caller seconds, cumulative
-        self.headroom = None  # see tell_headroom
+        self._headroom = None  # see tell_headroom
         self._lock = threading.RLock()
 
-    @property
-    def active(self) -> bool:
-        return self.policy.active_phase is not None
+    def _viewed(self) -> "RolloutSession":
+        return self
 
+    # --- the phase ---------------------------------------------------------
     def start(self, where: str, *, need_bytes: Optional[int] = None) -> Optional[TransitionReport]:
         """Collective: begin the phase (nothing when it is already active).
 
@@ -95,37 +161,13 @@ class RolloutSession:
             if self.active:
                 return None
             began = time.monotonic()
-            report = self.policy.begin(self.phase)
+            report = self._policy.begin(self.phase)
             if need_bytes is None:
-                self.policy.wait()
+                self._policy.wait()
             elif need_bytes > 0:
-                self.policy.wait_for_free(need_bytes)
+                self._wait_for_bytes(need_bytes, None)
             self.waited["start"] += time.monotonic() - began
             return self._record(where, report)
-
-    def wait_for_memory(self, nbytes: Optional[int] = None) -> int:
-        """Block until the running begin has freed ``nbytes`` (default: all it
-        will free) on this rank; returns the bytes freed so far."""
-        began = time.monotonic()
-        try:
-            return self.policy.wait_for_free(nbytes)
-        finally:
-            self.waited["memory"] += time.monotonic() - began
-
-    def freed(self) -> Freed:
-        """Not collective, never blocks: how far the running begin has got on this
-        rank, for a caller that grows into the memory once it is free instead of
-        waiting for it (:meth:`wait_for_memory`)."""
-        begin = next((r for _w, r in reversed(self.history) if r.kind == Kind.BEGIN), None)
-        if begin is None or not self.active:
-            return Freed(0, True)
-        done = not begin.pending
-        if getattr(self.policy.backend, "dry_run", False):
-            nbytes = 0  # a dry run frees nothing
-        else:  # groups the guard has resumed since hold their memory again
-            nbytes = sum(view.suspendable_bytes or 0 for view in self.policy.groups()
-                         if view.status == Status.SUSPENDED and not view.resuming)
-        return Freed(nbytes, done, begin.started + begin.wall_seconds if done else None)
 
     def stop(self, where: str, *, guarded_until_settle: bool = False) -> Optional[TransitionReport]:
         """Collective: end the phase (nothing when none is active).
@@ -142,90 +184,93 @@ class RolloutSession:
             if not self.active:
                 return None
             began = time.monotonic()
-            report = self.policy.end(self.phase)
+            report = self._policy.end(self.phase)
             if not guarded_until_settle:
-                self.policy.wait()
+                self._policy.wait()
             self.waited["stop"] += time.monotonic() - began
             return self._record(where, report)
 
     def settle(self) -> None:
         """Wait for a transition still running (before calls the guard cannot see)."""
         began = time.monotonic()
-        self.policy.wait()
+        self._policy.wait()
         self.waited["stop"] += time.monotonic() - began
 
-    def store_barrier(self, name: str) -> list:
-        """Collective over all ranks, through the c10d store (safe while NCCL
-        groups are suspended): see :meth:`OffloadPolicy.store_barrier`."""
-        return self.policy.store_barrier(name)
+    # --- waiting for the freed memory ---------------------------------------
+    def wait_for_memory(self, nbytes: Optional[int] = None,
+                        timeout_s: Optional[float] = None) -> int:
+        """Block until the running begin has freed ``nbytes`` on this rank (by
+        NCCL's account; default: all it will free), or has finished; returns
+        the bytes freed by the latest begin so far (0 when nothing was
+        suspended). Where something allocates at once (a KV cache), call it
+        just before: an overlapped begin's suspends run while everything
+        before it runs. ``timeout_s``: default the policy's ``timeout_s``,
+        else the slowest group's c10d timeout."""
+        began = time.monotonic()
+        try:
+            return self._wait_for_bytes(nbytes, timeout_s)
+        finally:
+            self.waited["memory"] += time.monotonic() - began
 
+    def freed(self) -> Freed:
+        """Not collective, never blocks: how far the running begin has got on this
+        rank, for a caller that grows into the memory once it is free instead of
+        waiting for it (:meth:`wait_for_memory`)."""
+        begin = next((r for _w, r in reversed(self.history) if r.kind == Kind.BEGIN), None)
+        if begin is None or not self.active:
+            return Freed(0, True)
+        done = not begin.pending
+        if getattr(self._policy.backend, "dry_run", False):
+            nbytes = 0  # a dry run frees nothing
+        else:  # groups the guard has resumed since hold their memory again
+            nbytes = sum(view.suspendable_bytes or 0 for view in self._policy.groups()
+                         if view.status == Status.SUSPENDED and not view.resuming)
+        return Freed(nbytes, done, begin.started + begin.wall_seconds if done else None)
+
+    # --- the adapters' own rounds, over the c10d store ------------------------
+    def store_exchange(self, name: str, value: str, ranks=None) -> tuple:
+        """Collective over ``ranks`` (default all): share one string through the
+        c10d store, never NCCL, so it is safe while groups are suspended; bounded
+        by ``agree_timeout_s``. Returns ``({rank: value}, [ranks that did not
+        arrive in time])``; ``({}, [])`` before the policy's first begin."""
+        agreement = self._policy._agreement
+        if agreement is None:
+            return {}, []
+        if ranks is None:
+            import torch.distributed as dist
+
+            ranks = range(dist.get_world_size())
+        return agreement.share(name, value, ranks)
+
+    def store_barrier(self, name: str) -> list:
+        """Collective over all ranks: return once every rank has called it with
+        the same ``name``, or after ``agree_timeout_s``; through the c10d store
+        (an adapter uses it when one rank's next step needs every rank's memory
+        free). Returns the ranks that did not arrive in time (empty: all did)."""
+        return self.store_exchange(name, "here")[1]
+
+    # --- figures --------------------------------------------------------------
     def tell_headroom(self, setting: str, current: Optional[float],
                       report: Optional[TransitionReport]) -> None:
         """Once, at the first begin that freed something: log how far the rollout
         engine's memory share ``setting`` (now ``current``) can rise with the freed
         memory (vLLM sizes its KV cache at start-up); ``metrics()`` carries it too."""
-        if self.headroom is not None or report is None or report.skipped:
+        if self._headroom is not None or report is None or report.skipped:
             return
         from . import headroom
 
-        self.headroom = headroom.tell(setting, current, report, self.policy.options.device)
+        self._headroom = headroom.tell(setting, current, report, self._policy.options.device)
 
-    def last(self, kind: str) -> Optional[TransitionReport]:
-        """The latest finished report of ``kind`` ("begin" or "end")."""
-        for _where, report in reversed(self.history):
-            if report.kind == kind and not report.pending:
-                return report
-        return None
-
-    def metrics(self, prefix: str = "amem/") -> dict:
-        """The policy's figures (:meth:`OffloadPolicy.metrics`: totals, inert,
-        pending, the last finished begin and end: the same keys as plain torch),
-        plus the caller's waits and the headroom, flat for the framework's
-        logger; {} before the first start."""
-        if not self.history and self.policy.backend is None:
-            return {}
-        out = self.policy.metrics(prefix)
-        for name, seconds in self.waited.items():
-            out[f"{prefix}total/caller_wait_{name}_seconds"] = seconds
-        if self.headroom is not None:
-            out.update(self.headroom.as_dict(prefix))
-        return out
+    def _wait_for_bytes(self, nbytes: Optional[int], timeout_s: Optional[float]) -> int:
+        if nbytes is not None:
+            check_number("nbytes", nbytes, minimum=0, integer=True, maximum=MAX_BYTES,
+                         why="2**63 - 1: NCCL counts bytes in 64 bits")
+        if timeout_s is not None:
+            check_wait("timeout_s", timeout_s)
+        return self._policy._wait_for_bytes(nbytes, timeout_s)
 
     def _record(self, where: str, report: TransitionReport) -> TransitionReport:
         if not report.skipped:
             self.history.append((where, report))
         logger.debug("amem_callbacks: rollout %s at %s", report.kind, where)
         return report
-
-
-class SessionViews:
-    """What an adapter shows of its ``session`` (None until it is made): the
-    same properties on TRL's callback, verl's worker session and Megatron's
-    controller."""
-
-    session: Optional[RolloutSession] = None
-
-    @property
-    def policy(self):
-        return self.session.policy if self.session is not None else None
-
-    @property
-    def active(self) -> bool:
-        return self.session is not None and self.session.active
-
-    @property
-    def headroom(self):
-        """What the first begin's freed memory allows the rollout engine's share, or None."""
-        return self.session.headroom if self.session is not None else None
-
-    @property
-    def last_begin(self) -> Optional[TransitionReport]:
-        return self.session.last("begin") if self.session is not None else None
-
-    @property
-    def last_end(self) -> Optional[TransitionReport]:
-        return self.session.last("end") if self.session is not None else None
-
-    def metrics(self, prefix: str = "amem/") -> dict:
-        """This rank's ``amem/...`` figures, flat (see :meth:`RolloutSession.metrics`)."""
-        return self.session.metrics(prefix) if self.session is not None else {}

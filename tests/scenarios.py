@@ -649,6 +649,7 @@ def _nothing_applied(policy) -> dict:
 def longest_waits(args):
     """The largest timeouts the options accept work through whole phases
     (they used to pass construction and overflow at the first begin)."""
+    from amem_callbacks import RolloutSession
     from amem_callbacks.options import MAX_WAIT_S
 
     groups, fake = fake_groups()
@@ -657,7 +658,7 @@ def longest_waits(args):
         policy = OffloadPolicy(backend=fake.backend(), keep=["tp"], overlap=overlap,
                                timeout_s=MAX_WAIT_S, agree_timeout_s=MAX_WAIT_S / 2)
         policy.begin("rollout")
-        freed = policy.wait_for_free(1)
+        freed = RolloutSession(policy).wait_for_memory(1)
         during = fake.suspended()
         policy.end("rollout")
         policy.wait(MAX_WAIT_S)

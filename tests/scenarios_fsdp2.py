@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from amem_callbacks import OffloadPolicy, name_group
+from amem_callbacks import OffloadPolicy, RolloutSession, name_group
 from tests.scenarios import FakeNccl, init, summarize
 
 WIDTH = 16
@@ -85,7 +85,7 @@ def fsdp2_rollouts(args):
     losses, begins, suspended_during = [], [], []
     for step in range(steps):
         begins.append(summarize(policy.begin("rollout")))
-        policy.wait_for_free()  # the suspends are done: the rollout's memory is free
+        RolloutSession(policy).wait_for_memory()  # the suspends are done: the memory is free
         if step == 0:
             for comm in fake.comms.values():  # resumes now take delay_us: still running below
                 fake.controls.delay(comm, args.get("delay_us", 200_000))

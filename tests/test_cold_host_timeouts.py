@@ -15,7 +15,7 @@ from tests.harness import run_ranks
 def slow_first_suspend(args):
     import torch.distributed as dist
 
-    from amem_callbacks import OffloadPolicy, name_group
+    from amem_callbacks import OffloadPolicy, RolloutSession, name_group
     from amem_callbacks.errors import TransitionTimeout
     from amem_callbacks.options import OffloadOptions
     from tests.scenarios import FakeNccl, allreduce_ok, init
@@ -31,7 +31,7 @@ def slow_first_suspend(args):
                         "timeout_s": OffloadOptions().timeout_s}}
     policy = OffloadPolicy(backend=fake.backend(), keep=["world"], overlap=True, timeout_s=1)
     policy.begin("rollout")
-    for what, call in (("wait_for_free", lambda: policy.wait_for_free(1)),
+    for what, call in (("wait_for_free", lambda: RolloutSession(policy).wait_for_memory(1)),
                        ("guarded all_reduce", lambda: allreduce_ok(group))):
         try:
             call()

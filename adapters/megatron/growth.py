@@ -44,7 +44,7 @@ def why_not_mid_rollout(engine) -> Optional[str]:
 
 class KvCacheGrowth:
     """Sizes, grows and measures each rollout's KV cache. ``exchange(name, value,
-    ranks) -> ({rank: value}, missing)``: the policy's store exchange (bounded)."""
+    ranks) -> ({rank: value}, missing)``: the session's store exchange (bounded)."""
 
     def __init__(self, margin_bytes: int, exchange, *, decider: Optional[GrowthDecider] = None,
                  poll_every: int = POLL_EVERY, clock: Callable[[], float] = time.monotonic):

@@ -146,7 +146,7 @@ class RolloutOffload(SessionViews):
             keep={"rollout": groups.kept_names}, groups=groups.groups))
 
     def _exchange(self, name: str, value: str, ranks) -> tuple:
-        return self.policy.store_exchange(name, value, ranks)
+        return self.session.store_exchange(name, value, ranks)
 
     def _kv_logged(self, report, via: str, extra: Optional[dict] = None):
         self.kv_reports.append(report)
@@ -157,7 +157,7 @@ class RolloutOffload(SessionViews):
     def _logged(self, report, via: str):
         if report is not None:
             logger.info("amem_callbacks: rollout %s at %s: %s", report.kind, via, report.summary())
-            write_metrics(self.session.metrics(), self._writers)
+            write_metrics(self.metrics(), self._writers)
         return report
 
 
