@@ -16,6 +16,7 @@ import pytest
 from amem_callbacks import OffloadPolicy
 from amem_callbacks.options import OptionError
 from tests.harness import run_ranks
+from tests.requires import needs_modules
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
@@ -232,6 +233,7 @@ def test_a_dry_run_names_per_group_what_it_would_do():
         assert not any("/group/tp/" in k for k in settled)  # kept: nothing would happen to it
 
 
+@needs_modules("trl")
 def test_one_process_under_trl_is_told_there_is_nothing_to_free_not_to_init():
     (res,) = results("trl_single_process", world=1, timeout=300)
     assert not res["distributed"] and res["steps"] == 2
@@ -272,8 +274,8 @@ def test_the_demo_table_keeps_a_long_inert_reason_out_of_its_columns(capsys):
 
     why = "nccl: no NCCL library is loaded in this process " * 8  # ~400 characters
     skipped = TransitionReport(phase="rollout", kind=Kind.BEGIN, backend="noop", skipped=why)
-    policy = type("Inert", (), {"backend": type("B", (), {"name": "noop"})(), "inert": True,
-                                "backend_description": why})()
+    policy = type("Inert", (), {"_backend": type("B", (), {"name": "noop"})(), "_inert": True,
+                                "_backend_description": why})()
     print_table([(0, 0.5, skipped, skipped, [0, 0], None)], policy)
     lines = capsys.readouterr().out.splitlines()
     row = next(line for line in lines if line.strip().startswith("0 "))
@@ -338,6 +340,7 @@ def test_doctor_reports_a_missing_amem_library_as_a_problem_with_the_fix():
     assert "LD_LIBRARY_PATH=/:" not in out.stdout  # the folder of a file that is not there
 
 
+@needs_modules("trl", "datasets")  # the example's own imports
 def test_the_trl_example_overlaps_by_default_as_the_callback_does():
     import importlib.util
 

@@ -50,6 +50,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from tests.gpu import common  # noqa: E402
+from tests.requires import missing, needs_modules  # noqa: E402
 
 RECORDED_MEGATRON = os.path.join(ROOT, "results", "one_h200", "megatron_rl_dp2")
 LIMIT_S = 600  # per run; a hang fails its test, saying so
@@ -65,6 +66,8 @@ def driver_env(**extra) -> dict:
                PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
                AMEM_GPU_QUICK="1", **{common.CPU_ENV: "1"})
     env.pop("AMEM_TEST_MUTATE", None)  # unmutated unless asked (tests/test_mutations.py)
+    # a GPU host preloads a real NCCL (LD_PRELOAD): the CPU mode must load the fake one
+    env.pop("LD_PRELOAD", None)
     env.update(extra)
     return env
 
@@ -209,11 +212,19 @@ def start_all(names, tmp: str) -> dict:
     return {name: starters[name](os.path.join(tmp, name)) for name in starters if name in names}
 
 
+# the frameworks a run's driver imports: without them (a GPU image with no registry,
+# the package installed alone) the run is not started and its tests skip, saying so
+RUN_NEEDS = {"trl": ("trl", "datasets"), "verl": ("verl",), "megatron": ("megatron.core",),
+             "megatron_rl_records": ("megatron.core",)}
+
+
 def needs(*names):
     """The runs a test reads (started together by the ``runs`` fixture)."""
+    modules = sorted({m for name in names for m in RUN_NEEDS.get(name, ())})
+
     def mark(fn):
         fn.runs_needed = names
-        return fn
+        return needs_modules(*modules)(fn) if modules else fn
     return mark
 
 
@@ -223,6 +234,7 @@ def runs(request, tmp_path_factory, fake_nccl_dir):
     wanted = set()
     for item in request.session.items:
         wanted.update(getattr(getattr(item, "function", None), "runs_needed", ()))
+    wanted = {name for name in wanted if not missing(*RUN_NEEDS.get(name, ()))}
     started = start_all(wanted, str(tmp_path_factory.mktemp("gpu-drivers-on-cpu")))
     yield started
     for run in started.values():

@@ -261,6 +261,9 @@ def cpu_runs(tmp_path_factory, fake_nccl_dir):
     """The orchestrator (one pair at share 0.25, through torchrun) and, beside it, a run
     at a share the stand-in's device cannot hold (refused at start-up), started together
     (two cores)."""
+    from tests.requires import skip_unless_installed
+
+    skip_unless_installed("trl")  # the driver's ranks run TRL's GRPOTrainer on the stand-in vLLM
     tmp = tmp_path_factory.mktemp("trl-vllm")
     state, out = str(tmp / "state"), str(tmp / "out")
     orchestrator = subprocess.Popen(

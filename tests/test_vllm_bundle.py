@@ -149,6 +149,15 @@ def test_tree_bytes_counts_tracked_and_untracked_files_but_not_ignored_ones(tmp_
     assert vb.tree_bytes(repo) == 100 + 30 + len("/.gpu/\n/shared/\n") + 7
 
 
+def test_tree_bytes_of_an_exported_copy_counts_every_file_once(tmp_path):
+    """No .git (a git archive export, as a GPU call may carry): nothing is ignored."""
+    root = str(tmp_path / "export")
+    write(os.path.join(root, "a.py"), b"x" * 100)
+    write(os.path.join(root, ".gpu", "part.bin"), b"z" * 50)
+    write(os.path.join(root, "shared", "notes.md"), b"w" * 7)
+    assert vb.tree_bytes(root) == 157
+
+
 def fake_wheel(folder: str, name: str, version: str, requires=()) -> str:
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"{name}-{version}-py3-none-any.whl")

@@ -233,10 +233,16 @@ def part_bytes_for(tree_bytes: int, limit: int = CALL_LIMIT, cap: int = PART_CAP
 def tree_bytes(root: str = ROOT) -> int:
     """Bytes of what every device call sends: tracked and untracked-not-ignored files,
     and a shared/ folder inside the checkout."""
-    listed = subprocess.run(["git", "-C", root, "ls-files", "-z", "--cached", "--others",
-                             "--exclude-standard"], capture_output=True, check=True).stdout
+    try:
+        listed = subprocess.run(["git", "-C", root, "ls-files", "-z", "--cached", "--others",
+                                 "--exclude-standard"], capture_output=True,
+                                check=True).stdout.decode().split("\0")
+    except (OSError, subprocess.CalledProcessError):  # an exported copy (git archive): no
+        listed = [rel for folder, _dirs, files in os.walk(root)  # ignore rules: all counts
+                  for rel in (os.path.relpath(os.path.join(folder, f), root) for f in files)
+                  if rel.split(os.sep)[0] != "shared"]  # shared/ is counted below
     total = 0
-    for rel in filter(None, listed.decode().split("\0")):
+    for rel in filter(None, listed):
         path = os.path.join(root, rel)
         if os.path.isfile(path) and not os.path.islink(path):
             total += os.path.getsize(path)
