@@ -74,3 +74,4 @@ def test_nvml_that_does_not_start_is_said_once_and_not_retried(reader, capsys):
 def test_cpu_mode_answers_with_the_stand_in(monkeypatch):
     monkeypatch.setattr(common, "ON_CPU", True)
     assert common.process_device_bytes() == common.STAND_IN_PROCESS_BYTES
+

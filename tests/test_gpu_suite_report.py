@@ -1,0 +1,20 @@
+"""What tests/test_gpu.py prints when the real-NCCL suite fails: the suite writes
+its results in a temporary folder, so the failed checks must reach pytest's log."""
+
+import os
+
+
+def test_the_gpu_suite_test_names_every_false_check_of_its_results(tmp_path):
+    """tests/test_gpu.py prints these when the GPU suite fails (its folder is temporary)."""
+    from tests.test_gpu import failed_checks
+
+    (tmp_path / "core.rank0.json").write_text(
+        '{"checks": {"exact": true, "device_memory_flat_1pct": false}}')
+    (tmp_path / "rel").mkdir()
+    (tmp_path / "rel" / "reliability.json").write_text(
+        '{"cases": [{"name": "x", "checks": {"bounded": false}}], "ok": false}')
+    (tmp_path / "fine.json").write_text('{"checks": {"a": true}}')
+    (tmp_path / "broken.json").write_text("{")
+    found = {os.path.basename(p): names for p, names in failed_checks(str(tmp_path))}
+    assert found == {"core.rank0.json": ["device_memory_flat_1pct"],
+                     "reliability.json": ["cases/0/bounded"]}
