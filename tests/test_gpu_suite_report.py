@@ -18,3 +18,23 @@ def test_the_gpu_suite_test_names_every_false_check_of_its_results(tmp_path):
     found = {os.path.basename(p): names for p, names in failed_checks(str(tmp_path))}
     assert found == {"core.rank0.json": ["device_memory_flat_1pct"],
                      "reliability.json": ["cases/0/bounded"]}
+
+
+def test_a_result_records_its_commit_from_git_or_from_an_export(tmp_path, monkeypatch):
+    import subprocess
+
+    from tests.gpu.common import run_commit
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True).returncode == 0:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True,
+                              text=True).stdout.strip()
+        assert run_commit(root) == head
+    export = tmp_path / "export"  # git archive: no .git
+    export.mkdir()
+    monkeypatch.delenv("AMEM_COMMIT", raising=False)
+    assert run_commit(str(export)) is None
+    (export / "COMMIT").write_text("abc123\n")
+    assert run_commit(str(export)) == "abc123"
+    monkeypatch.setenv("AMEM_COMMIT", "def456")
+    assert run_commit(str(export)) == "def456"

@@ -335,3 +335,26 @@ def process_device_bytes():
             _nvml = False
         print(f"process_device_bytes: not measured ({type(exc).__name__}: {exc})", flush=True)
         return None
+
+
+def run_commit(root: str = None):
+    """The commit a result was made at: ``git rev-parse HEAD`` of the tree, or, for
+    an exported copy without .git (``git archive``, as a device call may carry),
+    ``AMEM_COMMIT`` or a ``COMMIT`` file written at export; None if none says."""
+    import subprocess
+
+    root = root or os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        if head.returncode == 0 and head.stdout.strip():
+            return head.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    if os.environ.get("AMEM_COMMIT"):
+        return os.environ["AMEM_COMMIT"]
+    try:
+        with open(os.path.join(root, "COMMIT")) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None

@@ -198,6 +198,10 @@ class Soak:
         if not ok:
             self.fail(cycle, what)
 
+    def guard_resumes(self) -> int:
+        """The guard's resumes so far, both policies, from their public metrics."""
+        return sum(p.metrics(last=False)["amem/total/auto_resumes"] for p in (self.main, self.alt))
+
     def barrier(self) -> None:
         self.dist.barrier(group=self.sync)
 
@@ -301,7 +305,7 @@ class Soak:
                 kept_because[DISPUTED] = ("kept active for phase" if self.rank == k
                                           else "a peer rank refused")
         value = float(c % 7 + 1)
-        resumes_before = self.main.counters.auto_resumes + self.alt.counters.auto_resumes
+        resumes_before = self.guard_resumes()
         start = time.monotonic()
 
         begin = policy.begin("rollout")
@@ -342,7 +346,7 @@ class Soak:
         for role, words in kept_because.items():
             self.check(c, f"{role} kept because {words!r}, got {reasons.get(role)!r}",
                        words in reasons.get(role, ""))
-        resumes = self.main.counters.auto_resumes + self.alt.counters.auto_resumes
+        resumes = self.guard_resumes()
         self.check(c, f"guard resumes {resumes - resumes_before}, expected {int(guard)}",
                    resumes - resumes_before == int(guard))
         if guard:
@@ -514,6 +518,8 @@ def wait_all(procs, deadline: float, grace_s: float) -> dict:
 
 
 def summarize(args, ranks: list, ended: dict, env: dict, started: float) -> dict:
+    from tests.gpu.common import run_commit
+
     done = [r for r in ranks if r is not None]
     series, verdicts = {"cycle": {}}, {}
     for r in done:
@@ -547,8 +553,9 @@ def summarize(args, ranks: list, ended: dict, env: dict, started: float) -> dict
                     "same_cycle_count_on_every_rank": len(cycles) == 1,
                     "cycles_at_least_min": enough, "goal_1000_cycles_met":
                         bool(cycles) and (cycles[0] or 0) >= 1000},
-        "command": f"{env_prefix.strip()} python3 tests/gpu/soak_gpu.py "
+        "command": f"{env_prefix.strip()} {os.path.basename(sys.executable)} tests/gpu/soak_gpu.py "
                    + " ".join(map(shlex.quote, args.argv)),
+        "commit": run_commit(),
         "mode": "cpu-fake-nccl" if args.cpu else "gpu",
         "versions": rank0.get("versions"), "nccl_env": env,
         "ranks": args.ranks, "layout": layout(args.ranks, args.extra),
