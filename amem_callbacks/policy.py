@@ -71,9 +71,9 @@ class OffloadPolicy:
 
     def __init__(self, options: Optional[OffloadOptions] = None, **kwargs):
         self.options = options_from(options, kwargs)
-        self.counters = Counters()
-        self.last_report: Optional[TransitionReport] = None
-        self.learned = LearnedKeeps()
+        self._counters = Counters()
+        self._last_report: Optional[TransitionReport] = None
+        self._learned = LearnedKeeps()
         self._setup: Optional[Setup] = None
         self._transitions: Optional[Transitions] = None
         self._phase: Optional[str] = None
@@ -84,36 +84,9 @@ class OffloadPolicy:
         # begin and end, while a later one may still run (a begin and an end at most)
         self._recent: collections.deque = collections.deque(maxlen=6)
 
-    # --- what the options and the set-up say -----------------------------
-    # (options are read from ``policy.options``; the policy serves none of them itself)
-    @property
-    def guard_mode(self) -> GuardMode:
-        return GuardMode(self.options.guard)
-
-    @property
-    def backend(self):
-        return self._setup.backend if self._setup is not None else None
-
-    @property
-    def backend_description(self) -> str:
-        return self._setup.description if self._setup is not None else ""
-
-    @property
-    def inert(self) -> bool:
-        """True once the ranks agreed that nothing can be freed here."""
-        return self._setup is not None and self._setup.inert
-
-    @property
-    def placement(self):
-        return self._setup.placement if self._setup is not None else None
-
-    @property
-    def active_phase(self) -> Optional[str]:
-        return self._phase
-
-    def keep_for(self, phase: str) -> frozenset:
-        return self.options.keep_for(phase)
-
+    # --- public: options, the phase, the views, the figures ------------------
+    # Options are read from ``policy.options``. Everything else of the policy
+    # is private: RolloutSession, the tools and the tests read the set-up below.
     def groups(self, read_nccl: bool = False) -> tuple:
         """The groups this rank holds suspended, suspending or broken, as
         read-only :class:`~amem_callbacks.GroupView` snapshots in key order
@@ -173,7 +146,7 @@ class OffloadPolicy:
                                  f"call end({self._phase!r})")
             phase, self._phase = self._phase, None
             if self._transitions is None:
-                return self._skipped(phase, Kind.END, self.backend_description)
+                return self._skipped(phase, Kind.END, self._backend_description)
             try:
                 return self._end(phase)
             except BaseException as exc:
@@ -216,12 +189,12 @@ class OffloadPolicy:
             check_wait("timeout_s", timeout_s)
         with self._lock:
             self._wait_pending(timeout_s)
-            return self.last_report
+            return self._last_report
 
     def forget_learned(self, phase: Optional[str] = None) -> None:
         """Drop the learned keep-sets (of one phase, or all): after the model or
         the process groups changed, the next phases learn afresh."""
-        self.learned.forget(phase)
+        self._learned.forget(phase)
 
     def metrics(self, prefix: str = "amem/", last: bool = True) -> dict:
         """This rank's figures, flat, for a logger called after each phase (the
@@ -243,11 +216,11 @@ class OffloadPolicy:
         With ``overlap``, right after a phase its end is usually still running:
         log after the next training step, or call :meth:`wait` first, to see it.
         """
-        out = self.counters.as_dict(prefix)
-        for phase, groups in self.learned.by_phase().items():
+        out = self._counters.as_dict(prefix)
+        for phase, groups in self._learned.by_phase().items():
             for name, count in groups.items():
                 out[f"{prefix}learned/{phase}/{name}"] = count
-        out[prefix + "inert"] = int(self.inert)
+        out[prefix + "inert"] = int(self._inert)
         out[prefix + "pending"] = int(any(report.pending for _n, report in self._recent))
         if last:
             for kind in (Kind.BEGIN, Kind.END):
@@ -263,6 +236,26 @@ class OffloadPolicy:
         self.wait()
 
     # --- internals -------------------------------------------------------
+    # What the first begin set up (None, "" or False before it). The figures
+    # users read are in metrics() ("amem/inert") and the reports (``backend``,
+    # ``skipped``: why nothing was done).
+    @property
+    def _backend(self):
+        return self._setup.backend if self._setup is not None else None
+
+    @property
+    def _backend_description(self) -> str:
+        return self._setup.description if self._setup is not None else ""
+
+    @property
+    def _inert(self) -> bool:
+        """True once the ranks agreed that nothing can be freed here."""
+        return self._setup is not None and self._setup.inert
+
+    @property
+    def _placement(self):
+        return self._setup.placement if self._setup is not None else None
+
     # (RolloutSession, the seam the adapters drive, reads these two)
     @property
     def _agreement(self):
@@ -281,38 +274,38 @@ class OffloadPolicy:
         return self._transitions.wait_for_bytes(nbytes, self._timeout(timeout_s))
 
     def _new_report(self, phase: str, kind: Kind) -> TransitionReport:
-        return TransitionReport(phase=phase, kind=kind, backend=self.backend.name,
+        return TransitionReport(phase=phase, kind=kind, backend=self._backend.name,
                                 started=time.monotonic(), pending=True,
-                                device_shared_by=self.placement.sharing_my_device(),
-                                learned=self.learned.by_phase().get(phase, {}))
+                                device_shared_by=self._placement.sharing_my_device(),
+                                learned=self._learned.by_phase().get(phase, {}))
 
     def _begin(self, phase: str) -> TransitionReport:
         """The begin of an open phase; whatever it raises, the caller closes the phase."""
-        if self.inert:
-            return self._skipped(phase, Kind.BEGIN, self.backend_description)
+        if self._inert:
+            return self._skipped(phase, Kind.BEGIN, self._backend_description)
         self._wait_pending()
         self._resume_left_behind(phase)
-        self.counters.add("begins")
+        self._counters.add("begins")
         report = self._new_report(phase, Kind.BEGIN)
-        plan = plan_begin(self._setup, self.options, phase, self.learned.reasons(phase))
+        plan = plan_begin(self._setup, self.options, phase, self._learned.reasons(phase))
         before = self._transitions.held_ids()
         submitted = None
         try:
             submitted = self._transitions.begin(report, plan)
-            return self._run(submitted, report, self.counters.begins)
+            return self._run(submitted, report, self._counters.begins)
         except BaseException:
             if submitted is None or submitted.task.done():  # nothing will run them now
                 self._transitions.release_unstarted(before)
             raise
 
     def _end(self, phase: str) -> TransitionReport:
-        self.counters.add("ends")
+        self._counters.add("ends")
         resumed = self._transitions.take_guard_resumes()
         if self.options.learn_keep and resumed:
-            self.learned.note(phase, resumed)
+            self._learned.note(phase, resumed)
         report = self._new_report(phase, Kind.END)
-        report = self._run(self._transitions.end(report), report, self.counters.ends)
-        if self.guard_mode is GuardMode.OFF:
+        report = self._run(self._transitions.end(report), report, self._counters.ends)
+        if GuardMode(self.options.guard) is GuardMode.OFF:
             self._wait_pending()  # nothing else holds a call back until its group is back
         return report
 
@@ -330,8 +323,8 @@ class OffloadPolicy:
                        "raised; resuming them first", phase, left)
         self._transitions.take_guard_resumes()
         report = self._new_report(phase, Kind.END)
-        self.counters.add("ends")
-        self._run(self._transitions.end(report), report, self.counters.ends)
+        self._counters.add("ends")
+        self._run(self._transitions.end(report), report, self._counters.ends)
         self._wait_pending()
 
 
@@ -368,7 +361,7 @@ class OffloadPolicy:
         out = report.as_dict(prefix)
         p = f"{prefix}{report.kind}/"
         out[p + "number"] = number
-        if getattr(self.backend, "dry_run", False):
+        if getattr(self._backend, "dry_run", False):
             would = Outcome.WOULD_SUSPEND if report.kind is Kind.BEGIN else Outcome.WOULD_RESUME
             word = str(would).replace(" ", "_")
             names = [g.name for g in report.groups if g.action == would]
@@ -378,7 +371,7 @@ class OffloadPolicy:
         return out
 
     def _run(self, submitted, report: TransitionReport, number: int) -> TransitionReport:
-        self.last_report = report
+        self._last_report = report
         self._recent.append((number, report))
         self._pending = submitted.task
         _live.add(self)
@@ -404,8 +397,8 @@ class OffloadPolicy:
 
     def _skipped(self, phase: str, kind: Kind, why: str) -> TransitionReport:
         report = TransitionReport(phase=phase, kind=kind,
-                                  backend=getattr(self.backend, "name", "none"), skipped=why)
-        self.last_report = report
+                                  backend=getattr(self._backend, "name", "none"), skipped=why)
+        self._last_report = report
         return report
 
     def _not_ready(self, phase: str) -> TransitionReport:
@@ -449,7 +442,7 @@ class OffloadPolicy:
         self._pending = None
         self._setup = agree_setup(self.options, select_backend)
         self._transitions = None if self._setup.inert else Transitions(
-            self._setup, self.options, self.counters)
+            self._setup, self.options, self._counters)
 
     def _check_device(self) -> None:
         """``device`` against the CUDA devices this process sees (construction

@@ -66,14 +66,14 @@ class SessionViews:
     until the adapter makes it (then: no policy, not active, no reports, no
     metrics)."""
 
-    session: Optional["RolloutSession"] = None
+    session: Optional["RolloutSession"]  # the adapter's (set in its __init__)
 
     def _viewed(self) -> Optional["RolloutSession"]:
-        return self.session
+        return getattr(self, "session", None)
 
     @property
     def policy(self):
-        """The :class:`~amem_callbacks.OffloadPolicy` the session drives (None before it is made)."""
+        """The :class:`~amem_callbacks.OffloadPolicy` it drives (None before it is made)."""
         session = self._viewed()
         return session._policy if session is not None else None
 
@@ -220,7 +220,7 @@ class RolloutSession(SessionViews):
         if begin is None or not self.active:
             return Freed(0, True)
         done = not begin.pending
-        if getattr(self._policy.backend, "dry_run", False):
+        if getattr(self._policy._backend, "dry_run", False):
             nbytes = 0  # a dry run frees nothing
         else:  # groups the guard has resumed since hold their memory again
             nbytes = sum(view.suspendable_bytes or 0 for view in self._policy.groups()

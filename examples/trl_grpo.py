@@ -100,8 +100,10 @@ def main() -> None:
     trainer.train()
 
     if trainer.is_world_process_zero():
-        policy = callback.policy
-        print(f"\nbackend: {policy.backend_description or 'torch.distributed not initialised'}")
+        begin, inert = callback.last_begin, callback.metrics().get("amem/inert")
+        backend = (begin.backend if begin else "none: training ran unchanged" if inert
+                   else "none: torch.distributed not initialised")
+        print(f"\nbackend: {backend}")
         if callback.kept:
             print(f"kept active during generation: {callback.kept}")
         for report in (callback.last_begin, callback.last_end):

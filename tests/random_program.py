@@ -18,8 +18,8 @@ def run_random_program(policy, groups: dict, exact, same, jitter, actions: int,
     for _ in range(actions):
         choice = same.choice(CHOICES)
         if choice == "phase":
-            trace.append("end" if policy.active_phase else "begin")
-            (policy.end if policy.active_phase else policy.begin)("rollout")
+            trace.append("end" if policy._phase else "begin")
+            (policy.end if policy._phase else policy.begin)("rollout")
         elif choice == "call":
             name = same.choice(sorted(groups))
             results.append(exact(groups[name], same.randint(1, 9)))

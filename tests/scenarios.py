@@ -156,7 +156,7 @@ def fake_cycle(args):
         exact = all(allreduce_ok(g, cycle + 2) for g in groups.values())
         cycles.append({"begin": summarize(begin), "end": summarize(end), "during": during,
                        "after": after, "kept_ok": kept_ok, "exact": exact})
-    return {"cycles": cycles, "counters": policy.counters.as_dict(),
+    return {"cycles": cycles, "counters": policy._counters.as_dict(),
             "metrics": policy.metrics(),
             "counts": {n: [fake.controls.count(c, SUSPEND_OP), fake.controls.count(c, RESUME_OP)]
                        for n, c in fake.comms.items()}}
@@ -211,7 +211,7 @@ def guard(args):
     end = policy.end("rollout")
     out["end"] = summarize(end)
     out["after"] = fake.suspended()
-    out["auto_resumes"] = policy.counters.auto_resumes
+    out["auto_resumes"] = policy._counters.auto_resumes
     out["exact_after"] = all(allreduce_ok(g, 5.0) for g in groups.values())
     return out
 
@@ -291,7 +291,7 @@ def inject(args):
     during = fake.suspended()
     end = policy.end("rollout")
     out = {"begin": summarize(begin), "during": during, "end": summarize(end),
-           "after": fake.suspended(), "failures": policy.counters.failures}
+           "after": fake.suspended(), "failures": policy._counters.failures}
     try:
         out["exact_after"] = all(allreduce_ok(g) for g in groups.values())
     except SuspendedGroupError as exc:
@@ -315,8 +315,8 @@ def backend_mismatch(args):
     begin = policy.begin("rollout")
     during = fake.suspended()
     policy.end("rollout")
-    return {"begin": summarize(begin), "inert": policy.inert, "during": during,
-            "why": policy.backend_description,
+    return {"begin": summarize(begin), "inert": policy._inert, "during": during,
+            "why": policy._backend_description,
             "exact": all(allreduce_ok(g) for g in groups.values())}
 
 
@@ -329,7 +329,7 @@ def noop_dry_run(args):
     exact = allreduce_ok(groups["dp"])  # guard "resumes" (dry) and counts it
     end = policy.end("rollout")
     return {"begin": summarize(begin), "end": summarize(end), "exact": exact,
-            "auto_resumes": policy.counters.auto_resumes}
+            "auto_resumes": policy._counters.auto_resumes}
 
 
 @scenario
@@ -395,10 +395,10 @@ def lifecycle(args):
             raise KeyError("boom")
     except KeyError:
         pass
-    out["after_exception_phase"] = policy.active_phase
+    out["after_exception_phase"] = policy._phase
     out["after_exception"] = fake.suspended()
     out["exact"] = all(allreduce_ok(g) for g in groups.values())  # guard resumes
-    out["auto_resumes"] = policy.counters.auto_resumes
+    out["auto_resumes"] = policy._counters.auto_resumes
     out["after_guard"] = fake.suspended()
     return out
 
@@ -454,8 +454,8 @@ def interleave(args):
     policy.wait()
     exact.append(all(allreduce_ok(g) for g in groups.values()))
     return {"violations": violations, "exact": all(exact), "actions": actions,
-            "auto_resumes": policy.counters.auto_resumes, "left_suspended": fake.suspended(),
-            "failures": policy.counters.failures}
+            "auto_resumes": policy._counters.auto_resumes, "left_suspended": fake.suspended(),
+            "failures": policy._counters.failures}
 
 
 @scenario
@@ -505,7 +505,7 @@ def learn_keep(args):
                 allreduce_ok(groups["dp"])
             except Exception as exc:  # guard="strict"
                 raised = type(exc).__name__
-        before = policy.counters.auto_resumes
+        before = policy._counters.auto_resumes
         end = policy.end("rollout")
         phases.append({"dp": [dp.action, dp.reason], "raised": raised,
                        "ep": next(g.action for g in begin.groups if g.name == "ep"),
@@ -642,7 +642,7 @@ def _nothing_applied(policy) -> dict:
     from amem_callbacks import guard
 
     wrapped = hasattr(dist.ProcessGroup.__dict__.get("allreduce"), "__amem_original__")
-    return {"phase": policy.active_phase, "held": [v.name for v in policy.groups()],
+    return {"phase": policy._phase, "held": [v.name for v in policy.groups()],
             "watched": len(guard.watched()), "guard_installed": wrapped}
 
 
@@ -682,7 +682,7 @@ def nested_phase(args):
                 out["inner_ran"] = True
         except PhaseError as exc:
             out["error"] = str(exc)
-        out["after_refusal"] = {"phase": policy.active_phase, "suspended": fake.suspended(),
+        out["after_refusal"] = {"phase": policy._phase, "suspended": fake.suspended(),
                                 "held": [v.name for v in policy.groups()]}
         out["second_begin"] = policy.begin("rollout").skipped  # begin twice: warned, ignored
         out["after_second_begin"] = fake.suspended()
@@ -690,7 +690,7 @@ def nested_phase(args):
     out["exact"] = all(allreduce_ok(g) for g in groups.values())
     with policy.phase("rollout") as report:
         out["next_phase"] = {g.name: str(g.action) for g in report.groups}
-    out.update(auto_resumes=policy.counters.auto_resumes, learned=policy.learned.by_phase(),
+    out.update(auto_resumes=policy._counters.auto_resumes, learned=policy._learned.by_phase(),
                end=_nothing_applied(policy))
     return out
 
@@ -750,7 +750,7 @@ def failed_transitions(args):
     try:
         policy.begin("rollout")
     except ValueError as exc:
-        out["device"] = {"error": f"{type(exc).__name__}: {exc}", "set_up": policy.backend,
+        out["device"] = {"error": f"{type(exc).__name__}: {exc}", "set_up": policy._backend,
                          **_nothing_applied(policy)}
     out["exact"] = all(allreduce_ok(g) for g in groups.values())
     return out
@@ -806,10 +806,10 @@ def trl_single_process(args):
                           processing_class=trl_run.tokenizer(), callbacks=[callback])
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
-    return {"lines": lines, "skipped": callback.policy.last_report.skipped,
+    return {"lines": lines, "skipped": callback.policy._last_report.skipped,
             "distributed": dist.is_initialized(), "steps": len(logs),
             "amem_keys": sorted({k for h in logs for k in h if k.startswith("amem/")}),
-            "phase": callback.policy.active_phase, "watched": len(guard.watched())}
+            "phase": callback.policy._phase, "watched": len(guard.watched())}
 
 
 def phase_body_raises(args):
@@ -824,11 +824,11 @@ def phase_body_raises(args):
             raise RuntimeError("generation failed")
     except RuntimeError:
         pass
-    out["after_raise"] = {"phase": policy.active_phase, "suspended": fake.suspended()}
+    out["after_raise"] = {"phase": policy._phase, "suspended": fake.suspended()}
     out["dp_exact"] = allreduce_ok(groups["dp"])  # the guard resumes dp, collective
     with policy.phase("rollout") as report:
         out["next_phase"] = {g.name: str(g.action) for g in report.groups}
-        out["failures"] = policy.counters.failures
+        out["failures"] = policy._counters.failures
     out.update(after=fake.suspended(), exact=all(allreduce_ok(g) for g in groups.values()),
-               learned=policy.learned.by_phase(), end=_nothing_applied(policy))
+               learned=policy._learned.by_phase(), end=_nothing_applied(policy))
     return out

@@ -95,7 +95,7 @@ def fsdp2_rollouts(args):
         policy.end("rollout")  # returns at once
         losses.append(_train_step(model, optimizer, step))
     policy.wait()
-    counters = policy.counters
+    counters = policy._counters
     return {"keep": keep, "losses": losses, "baseline": baseline,
             "weights_equal": _weights(model) == baseline_weights,
             "suspended_during": suspended_during, "suspended_after": fake.suspended(),

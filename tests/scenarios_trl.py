@@ -87,10 +87,10 @@ class Recorder:
 
     def state(self) -> dict:
         policy = self.callback.policy if self.callback else None
-        out = {"phase": policy.active_phase if policy else None,
+        out = {"phase": policy._phase if policy else None,
                "step": self.trainer._step if self.trainer else None}
-        if policy is not None and policy.last_report is not None:
-            out["last"] = [policy.last_report.kind, policy.last_report.pending]
+        if policy is not None and policy._last_report is not None:
+            out["last"] = [policy._last_report.kind, policy._last_report.pending]
         if self.fake is not None:
             out["suspended"] = self.fake.suspended()
         return out
@@ -183,7 +183,7 @@ def train(callback_options=None, trainer_class=None, configure=None, fake=None, 
            "amem_logs": [{k: v for k, v in h.items() if k.startswith("amem/")} for h in logs]}
     if callback is not None:
         policy = callback.policy
-        out.update(counters=policy.counters.as_dict(), kept=callback.kept, mode=callback.mode,
+        out.update(counters=policy._counters.as_dict(), kept=callback.kept, mode=callback.mode,
                    metrics=callback.metrics(),
                    begin_groups={g.name: [g.action, g.reason] for g in callback.last_begin.groups}
                    if callback.last_begin is not None else {},

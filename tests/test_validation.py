@@ -65,8 +65,8 @@ def test_a_group_named_by_the_user_can_be_kept():
         OffloadPolicy(keep=["my_sampler_group"])
     name_group(SimpleNamespace(group_name="77"), "my_sampler_group")
     policy = OffloadPolicy(keep={"rollout": ["tp", "my_sampler_group"], "eval": []})
-    assert policy.keep_for("rollout") == {"tp", "my_sampler_group"}
-    assert policy.keep_for("eval") == frozenset()
+    assert policy.options.keep_for("rollout") == {"tp", "my_sampler_group"}
+    assert policy.options.keep_for("eval") == frozenset()
 
 
 def test_bad_phase_names_are_refused():
@@ -115,7 +115,7 @@ def test_before_init_process_group_begin_warns_once_and_leaves_no_phase(caplog, 
         first = policy.begin("rollout")
         second = policy.begin("rollout")
     assert "call init_process_group before begin()" in first.skipped
-    assert policy.active_phase is None and second.skipped == first.skipped
+    assert policy._phase is None and second.skipped == first.skipped
     assert len([r for r in caplog.records if "init_process_group" in r.getMessage()]) == 1
     assert policy.end("rollout").skipped == "no phase is active"
     assert policy.end().skipped == "no phase is active"

@@ -336,8 +336,8 @@ def run_rank(args, rank: int, world: int, use_cuda: bool) -> dict:
             modes[mode]["gpu_freed"] = gpu_freed
             modes[mode]["nccl_bytes_all_ranks"] = [sum(step) for step in zip(*nccl)]
         if policy is not None:
-            modes[mode]["auto_resumes"] = getattr(policy.counters, "auto_resumes", None)
-            modes[mode]["learned"] = policy.learned.by_phase()
+            modes[mode]["auto_resumes"] = getattr(policy._counters, "auto_resumes", None)
+            modes[mode]["learned"] = policy._learned.by_phase()
         stages.finished(f"mode {mode} ({args.steps} steps)")
 
     result["modes"] = modes

@@ -17,15 +17,15 @@ _MOVED = ("suspended", "would suspend")
 
 
 def dry_run(policy) -> bool:
-    return bool(getattr(policy.backend, "dry_run", False)) and not policy.inert
+    return bool(getattr(policy._backend, "dry_run", False)) and not policy._inert
 
 
 def print_table(rows: list, policy) -> None:
     shared = rows[-1][2].device_shared_by if rows else 1
-    print(f"\nbackend: {policy.backend.name if policy.backend else 'none'}"
-          f"{' (inert: training ran unchanged)' if policy.inert else ''}")
-    if policy.inert:  # on its own line: a reason can run to hundreds of characters
-        print(f"  why: {policy.backend_description}")
+    print(f"\nbackend: {policy._backend.name if policy._backend else 'none'}"
+          f"{' (inert: training ran unchanged)' if policy._inert else ''}")
+    if policy._inert:  # on its own line: a reason can run to hundreds of characters
+        print(f"  why: {policy._backend_description}")
     if shared > 1:
         print(f"{shared} ranks share GPU 0: 'GPU freed' is the whole device (all {shared} "
               "ranks' buffers), 'NCCL' is each rank's own, from NCCL's stats")
@@ -45,8 +45,8 @@ def print_table(rows: list, policy) -> None:
 def write_json(out: str, rows: list, policy, world: int) -> str:
     path = os.path.join(out, "demo.json")
     data = {
-        "backend": policy.backend.name if policy.backend else None,
-        "dry_run": dry_run(policy), "inert": policy.inert, "ranks": world,
+        "backend": policy._backend.name if policy._backend else None,
+        "dry_run": dry_run(policy), "inert": policy._inert, "ranks": world,
         "steps": [{"step": step, "loss": loss, "begin": begin.summary(), "end": end.summary(),
                    "groups": {g.name: str(g.action) for g in begin.groups},
                    "nccl_bytes_per_rank": nccl_all, "gpu_freed_bytes": freed,
@@ -69,9 +69,9 @@ def summary(rows: list, policy, path: str) -> str:
     kept = [g.name for g in last.kept]
     metrics = policy.metrics()
     lines = [""]
-    if policy.inert:
+    if policy._inert:
         lines.append(f"summary: nothing was suspended, training ran unchanged "
-                     f"({policy.backend_description})")
+                     f"({policy._backend_description})")
     elif dry_run(policy):
         lines.append("summary (DRY RUN, noop backend: nothing was suspended or freed)")
         lines.append(f"  would suspend at each rollout: {', '.join(moved) or 'nothing'}")
@@ -83,7 +83,7 @@ def summary(rows: list, policy, path: str) -> str:
     if dry_run(policy):
         lines.append(f"  NCCL memory: {sum(r[2].nccl_bytes for r in rows) / MiB:.0f} MiB (no NCCL "
                      "communicators in a dry run; on GPUs this line gives the MiB suspended)")
-    elif not policy.inert:
+    elif not policy._inert:
         per_rank = statistics.mean(r[2].nccl_bytes for r in rows)
         every = statistics.mean(sum(r[4]) for r in rows)
         line = f"  NCCL memory suspended: {per_rank / MiB:.0f} MiB on rank 0, " \

@@ -110,7 +110,7 @@ def nccl_suspended(controller, entries) -> dict:
     for entry in entries:
         handle, _ = comm_handle(entry.group)
         out[entry.name] = None if handle is None else \
-            controller.policy.backend.memory(handle).suspended
+            controller.policy._backend.memory(handle).suspended
     return out
 
 
@@ -205,8 +205,8 @@ def worker(config: str, out_dir: str) -> bool:
     ok = all(checks.values()) and all(all(c["checks"].values()) for c in cycles)
     result = {"config": config, "rank": rank, "ok": ok, "via_launcher": via_launcher,
               "checks": checks, "cycles": cycles, "device_total": total,
-              "counters": controller.policy.counters.as_dict(),
-              "nccl_backend": controller.policy.backend_description, "torch": torch.__version__,
+              "counters": controller.policy._counters.as_dict(),
+              "nccl_backend": controller.policy._backend_description, "torch": torch.__version__,
               **cpu_notes()}
     with open(os.path.join(out_dir, f"megatron_gpu.{config}.rank{rank}.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)

@@ -209,9 +209,9 @@ def interleavings(r: Rank, seeds: int = 4 if QUICK else 20, actions: int = 12) -
             policy.close()
             exact.append(all(r.exact(g, 11.0) for g in groups.values()))
             runs.append({"seed": seed, "workers": workers, "trace": trace, "exact": all(exact),
-                         "auto_resumes": policy.counters.auto_resumes,
-                         "suspends": policy.counters.group_suspends,
-                         "failures": policy.counters.failures})
+                         "auto_resumes": policy._counters.auto_resumes,
+                         "suspends": policy._counters.group_suspends,
+                         "failures": policy._counters.failures})
             r.barrier()
     finally:
         cls.allreduce = raw
@@ -298,9 +298,9 @@ def ddp_identical(r: Rank, steps: int = 8) -> dict:
     base_losses, base_params, _ = train(False)
     losses, params, policy = train(True)
     same_params = all(torch.equal(a, b) for a, b in zip(params, base_params))
-    return {"ok": losses == base_losses and same_params and policy.counters.group_suspends > 0,
+    return {"ok": losses == base_losses and same_params and policy._counters.group_suspends > 0,
             "losses_equal": losses == base_losses, "params_equal": same_params,
-            "losses": losses, "suspends": policy.counters.group_suspends}
+            "losses": losses, "suspends": policy._counters.group_suspends}
 
 
 @case(f"{30 if QUICK else 200} begin/end cycles: device free memory and host RSS flat within 1 % after warm-up, "
@@ -330,13 +330,13 @@ def cycles(r: Rank, n: int = 30 if QUICK else 200, warmup: int = 5 if QUICK else
     flat_rss = spread(rss) <= 0.01 * rss[warmup]
     freed = [d - a for d, a in zip(during, after)]
     return {"ok": exact and flat_device and flat_rss and spread(threads) == 0
-            and policy.counters.group_suspends == n,
+            and policy._counters.group_suspends == n,
             "cycles": n, "warmup": warmup, "device_total": total,
             "device_free_after_end_spread": spread(after), "device_free_during_spread": spread(during),
             "freed_per_cycle_min_max": [min(freed[warmup:]), max(freed[warmup:])],
             "host_rss_spread": spread(rss), "host_rss_after_warmup": rss[warmup],
             "host_rss_last": rss[-1], "threads_spread": spread(threads), "exact": exact,
-            "suspends": policy.counters.group_suspends}
+            "suspends": policy._counters.group_suspends}
 
 
 def _unusable(r: Rank, backend: str, words: list, backend_options=None) -> dict:
@@ -355,9 +355,9 @@ def _unusable(r: Rank, backend: str, words: list, backend_options=None) -> dict:
     moved = r.free() - free_before
     lines.close()
     found = {word: bool(lines.lines) and word in lines.lines[0] for word in words}
-    ok = (policy.inert and all(skipped) and exact and len(lines.lines) == 1
+    ok = (policy._inert and all(skipped) and exact and len(lines.lines) == 1
           and all(found.values()) and abs(moved) < 64 * MiB)
-    return {"ok": ok, "inert": policy.inert, "lines": lines.lines, "words_found": found,
+    return {"ok": ok, "inert": policy._inert, "lines": lines.lines, "words_found": found,
             "exact": exact, "device_free_change": moved}
 
 
@@ -619,7 +619,7 @@ def stop_in_begin(r: Rank) -> dict:
     policy.begin("rollout")
     r.barrier()
     policy.end("rollout")
-    setup_ok = all(r.exact(g, 1.0) for g in groups.values()) and not policy.inert
+    setup_ok = all(r.exact(g, 1.0) for g in groups.values()) and not policy._inert
     r.barrier()
     if r.rank == victim:
         _mark(r, "at-begin")
@@ -644,7 +644,7 @@ def stop_in_begin(r: Rank) -> dict:
               "first_begin": group_actions(begin), "kept_reasons": kept,
               "second_begin": group_actions(second), "exact_after": exact_after,
               "exact_during_second": exact_during, "exact_after_second": exact_second,
-              "suspends": policy.counters.group_suspends}
+              "suspends": policy._counters.group_suspends}
     if r.rank == victim:
         result["what_the_stopped_rank_sees"] = (
             f"begin returned after {begin_s:.2f} s, no error: every group kept, reason "

@@ -339,8 +339,8 @@ def run(args, name: str, callback_options=None) -> dict:
                 [s["reserved_gain"] for s in samples] if len(samples) == len(begins)
                 else [0] * len(begins))
         out.update(begins=begins, independent=samples, kept=callback.kept,
-                   backend=callback.policy.backend_description, inert=callback.policy.inert,
-                   counters=callback.policy.counters.as_dict(),
+                   backend=callback.policy._backend_description, inert=callback.policy._inert,
+                   counters=callback.policy._counters.as_dict(),
                    end_seconds=callback.last_end.total_seconds if callback.last_end else None,
                    logged=[h.get("amem/total/begins") for h in logs])
         callback.detach()

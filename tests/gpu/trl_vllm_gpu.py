@@ -616,7 +616,7 @@ def amem_record(callback, rec: Recorder) -> Optional[dict]:
                  "seconds": g.seconds} for g in report.groups]
 
     headroom = callback.session.headroom
-    return {"backend": callback.policy.backend_description, "inert": callback.policy.inert,
+    return {"backend": callback.policy._backend_description, "inert": callback.policy._inert,
             "kept": dict(callback.kept),
             "begins": [{"nccl_bytes": r.nccl_bytes, "device_freed_bytes": r.device_freed_bytes,
                         "device_shared_by": r.device_shared_by, "wall_s": r.wall_seconds,
@@ -630,7 +630,7 @@ def amem_record(callback, rec: Recorder) -> Optional[dict]:
                 "total_bytes": headroom.total_bytes, "margin_bytes": headroom.margin_bytes,
                 "line": headroom.line()},
             "waited": dict(callback.session.waited),
-            "counters": callback.policy.counters.as_dict()}
+            "counters": callback.policy._counters.as_dict()}
 
 
 def versions() -> dict:

@@ -514,11 +514,11 @@ def run(args, store: Store) -> dict:
     out["amem_session"] = session is not None
     if session is not None:
         policy = session.policy
-        out["amem_counters"] = policy.counters.as_dict()
-        out["amem_backend"] = {"name": getattr(policy.backend, "name", None),
-                               "description": policy.backend_description,
-                               "inert": policy.inert}
-        out["amem_learned"] = policy.learned.by_phase()
+        out["amem_counters"] = policy._counters.as_dict()
+        out["amem_backend"] = {"name": getattr(policy._backend, "name", None),
+                               "description": policy._backend_description,
+                               "inert": policy._inert}
+        out["amem_learned"] = policy._learned.by_phase()
     out["weights_per_step"] = [s.get("weights") for s in out["steps"]]
     store.barrier("steps done")
     if rank == 0:
