@@ -75,3 +75,14 @@ def test_cpu_mode_answers_with_the_stand_in(monkeypatch):
     monkeypatch.setattr(common, "ON_CPU", True)
     assert common.process_device_bytes() == common.STAND_IN_PROCESS_BYTES
 
+
+
+@pytest.mark.parametrize("own, expected", [(3 << 30, ((80 << 30) - (3 << 30), "process")),
+                                           (None, (40 << 30, "gpu"))])
+def test_unheld_bytes_use_this_process_count_where_nvml_gives_one(monkeypatch, own, expected):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40 << 30, 80 << 30))
+    monkeypatch.setattr(common, "process_device_bytes", lambda: own)
+    assert common.unheld_bytes() == expected

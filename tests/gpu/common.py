@@ -358,3 +358,22 @@ def run_commit(root: str = None):
             return f.read().strip() or None
     except OSError:
         return None
+
+
+def unheld_bytes(sync=None) -> tuple:
+    """(bytes, measure): the GPU's memory not held by this process. Where NVML
+    counts this process (``process_device_bytes``) it is the GPU's total minus
+    that count, which other jobs on the GPU (a soak beside the test suite, a
+    neighbour's training) do not move; measure ``"process"``. Else cudaMemGetInfo's
+    free bytes, which they do; measure ``"gpu"``. ``sync``: a gloo group to
+    barrier on first, so every rank reads after the others' transitions."""
+    import torch
+
+    torch.cuda.synchronize()
+    if sync is not None:
+        import torch.distributed as dist
+
+        dist.barrier(group=sync)
+    free, total = torch.cuda.mem_get_info()
+    own = process_device_bytes()
+    return (total - own, "process") if own is not None else (free, "gpu")
