@@ -70,8 +70,9 @@ sys.path.insert(0, ROOT)
 
 from amem_callbacks.tools.pairs import Interleaved, Pair  # noqa: E402
 from tests.gpu import megatron_runs as runs  # noqa: E402
+from tests.gpu.common import require_installed_package  # noqa: E402
 
-runs.link_adapters()  # the presets' arithmetic is the adapter's own: a bare checkout links it
+require_installed_package()  # the presets' arithmetic is the adapter's own (installed package)
 from experiments import presets  # noqa: E402
 
 GiB = presets.GiB

@@ -38,3 +38,26 @@ def test_a_result_records_its_commit_from_git_or_from_an_export(tmp_path, monkey
     assert run_commit(str(export)) == "abc123"
     monkeypatch.setenv("AMEM_COMMIT", "def456")
     assert run_commit(str(export)) == "def456"
+
+
+def test_a_bare_tree_stops_the_gpu_scripts_with_the_install_command(tmp_path):
+    """No link, no splice: without the install, one line says what to run."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = ("import sys\n"
+              "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]\n"
+              f"sys.path.insert(0, {root!r})\n"
+              "from tests.gpu.common import require_installed_package\n"
+              "require_installed_package()\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         cwd=str(tmp_path))
+    assert out.returncode == 1
+    assert "pip install --no-deps --no-build-isolation -e ." in out.stderr, out.stderr
+
+
+def test_the_installed_package_passes(tmp_path):
+    from tests.gpu.common import require_installed_package
+
+    require_installed_package()  # CI installs the package: this must not stop

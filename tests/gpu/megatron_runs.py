@@ -26,20 +26,11 @@ WRAPPER = "tests/gpu/megatron_rl_gpu.py"
 AMEM_FLAGS = ["--rl-amem-offload-during-rollout", "--rl-amem-backend", "nccl"]
 
 
-def link_adapters() -> None:
-    """``amem_callbacks.adapters``: `pip install -e .` maps it; a bare checkout (the GPU
-    machine's copy) needs the link, made only there (here it would be an untracked file)."""
-    import importlib.util
-
-    link = os.path.join(ROOT, "amem_callbacks", "adapters")
-    if os.path.lexists(link) or importlib.util.find_spec("amem_callbacks.adapters") is not None:
-        return
-    os.symlink(os.path.join("..", "adapters"), link)
-
-
 def install_bundle() -> None:
     """The wheels into SITE, and the dataset Makefile train_rl.py's start-up runs."""
-    link_adapters()
+    from tests.gpu.common import require_installed_package
+
+    require_installed_package()
     marker = os.path.join(SITE, ".installed")
     if os.path.exists(marker):
         return
