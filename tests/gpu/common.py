@@ -404,3 +404,22 @@ def require_installed_package() -> None:
     if os.path.realpath(where) != os.path.realpath(root):
         raise SystemExit(f"amem_callbacks is imported from {where}, not from this tree ({root}): "
                          f"install this one: cd {root} && {INSTALL_COMMAND}")
+
+
+#: the environment that decides what a GPU run measured, kept beside its command
+PROVENANCE_ENV = ("LD_PRELOAD", "NCCL_MULTI_RANK_GPU_ENABLE", "NCCL_BUFFSIZE",
+                  "NCCL_MAX_NCHANNELS", "AMEM_GPU_QUICK", "CUDA_VISIBLE_DEVICES",
+                  "TORCH_DIST_USE_NCCL2", CPU_ENV)
+
+
+def provenance(script: str, argv=None) -> dict:
+    """What every result records: the commit, the exact command (this interpreter's
+    name, the script as given, its arguments) and the environment it depends on."""
+    import shlex
+    import sys
+
+    args = sys.argv[1:] if argv is None else list(argv)
+    return {"commit": run_commit(),
+            "command": " ".join([os.path.basename(sys.executable), script,
+                                 *map(shlex.quote, map(str, args))]),
+            "env": {k: os.environ[k] for k in PROVENANCE_ENV if k in os.environ}}

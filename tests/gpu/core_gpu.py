@@ -26,8 +26,8 @@ from amem_callbacks import OffloadPolicy, name_group
 from amem_callbacks.memory import host_rss_bytes
 from amem_callbacks.tools.progress import progress_during
 from tests.gpu.common import bind_device, cpu_notes, exact_allreduce, gloo_group, \
-    nccl_library, policy_backend, process_group_backend, ranks_per_gpu, same_gpu_total, \
-    set_aside_on_cpu, unheld_bytes
+    nccl_library, policy_backend, process_group_backend, provenance, ranks_per_gpu, \
+    same_gpu_total, set_aside_on_cpu, unheld_bytes
 
 MiB = 2**20
 
@@ -145,6 +145,7 @@ def main() -> None:
                      "device_memory_flat_1pct", "host_rss_flat_1pct")
     result.update(cpu_notes())
     result["counters"] = policy.metrics(last=False)
+    result.update(provenance("tests/gpu/core_gpu.py"))
     result["ok"] = all(checks.values())
     dist.barrier(group=sync)
     with open(out_path.replace(".json", f".rank{rank}.json"), "w") as f:

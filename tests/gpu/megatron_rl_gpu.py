@@ -661,6 +661,9 @@ def merge(baseline: str, amem: str, control: str, out: str) -> dict:
     summary["versions"] = {k: runs["amem"][0].get(k) for k in ("torch", "nccl", "megatron_core")}
     summary["standins"] = runs["amem"][0].get("standins")
     summary["ok"] = all(checks.values())
+    from tests.gpu.common import provenance
+
+    summary.update(provenance("tests/gpu/megatron_rl_gpu.py"))
     with open(out, "w") as f:
         json.dump(summary, f, indent=1, default=str)
     return summary

@@ -852,6 +852,7 @@ def write_table(out_path: str, rows: list, lib, complete: bool) -> None:
         "ok": complete and all(row["ok"] is not False for row in rows),
         "table": [{k: row[k] for k in ("case", "ok", "seconds", "must_hold")} for row in rows],
         "cases": rows,
+        **common.provenance("tests/gpu/reliability_gpu.py"),
     }
     with open(out_path, "w") as f:
         json.dump(result, f, indent=1, default=str)

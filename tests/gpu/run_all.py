@@ -178,6 +178,7 @@ def main(argv=None) -> int:
 
     from amem_callbacks.nccl_library import NcclLibrary
     from amem_callbacks.tools.launch import plan_ranks
+    from tests.gpu.common import run_commit
 
     layout = plan_ranks(args.ranks)
     if layout.refused or not layout.on_gpu:
@@ -196,6 +197,7 @@ def main(argv=None) -> int:
     lib = NcclLibrary.loaded()
     summary = {"command": "python -m tests.gpu.run_all " + " ".join(sys.argv[1:] if argv is None
                                                                     else argv),
+               "commit": run_commit(),
                "torch": torch.__version__, "nccl_loaded": lib.version_str if lib else None,
                "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
                "ranks": layout.ranks, "ranks_per_gpu": layout.ranks_per_gpu,
