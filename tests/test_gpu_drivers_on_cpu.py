@@ -262,6 +262,8 @@ def test_core_gpu_runs_its_checks_on_the_fake_nccl(runs):
         assert all(v["nccl_suspended"] and v["status"] == "suspended" for v in held.values())
         assert result["counters"]["amem/total/auto_resumes"] == 1
         assert result["cycles"]["n"] == 3 and "libnccl-fake" in result["nccl_path"]
+        assert_provenance(result, "tests/gpu/core_gpu.py")
+        assert result["memory_measure"] == "process"  # the CPU stand-in answers as NVML would
 
 
 # --- cold_host_gpu.py ---------------------------------------------------------
@@ -332,6 +334,16 @@ def test_reliability_gpu_cases_hold_on_the_fake_nccl(runs, name):
     assert [row["case"] for row in table["table"]] == RELIABILITY[name]
     # True, not "not applicable" (None): every chosen case is judged on CPU
     assert all(row["ok"] is True for row in table["table"]), table["table"]
+    assert_provenance(table, "tests/gpu/reliability_gpu.py", *RELIABILITY[name])
+
+
+def assert_provenance(result: dict, script: str, *words: str) -> None:
+    """common.provenance: the commit (a clone's HEAD) and the command as run."""
+    head = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+    assert result["commit"] == (head or None), result["commit"]
+    assert script in result["command"] and all(w in result["command"] for w in words)
+    assert result["env"][common.CPU_ENV] == "1"
 
 
 # --- soak_gpu.py ----------------------------------------------------------------
@@ -370,7 +382,8 @@ def test_trl_gpu_suspends_world_at_every_generation_on_the_fake_nccl(runs):
         assert rank["checks"]["amem_world_suspended_every_generation"]
         assert rank["checks"]["amem_metrics_in_trainer_logs"]
         for name in ("amem", "amem_overlap"):
-            assert "libnccl-fake" in rank["runs"][name]["backend"]
+            assert rank["runs"][name]["backend"] == "nccl"
+            assert "libnccl-fake" in rank["runs"][name]["nccl_library"]
             assert [b["suspended"] for b in rank["runs"][name]["begins"]] == [["world"]] * 2
 
 
@@ -386,7 +399,8 @@ def test_verl_gpu_worker_suspends_and_resumes_on_the_fake_nccl(runs):
     assert checks["amem_metrics_from_every_rank"] and checks["no_collective_on_a_suspended_group"]
     assert summary["driver_merged_amem_metrics"]["amem/total/begins"] == 2
     for rank in summary["ranks"]:
-        assert "libnccl-fake" in rank["amem_backend"]["description"]
+        assert rank["amem_backend"]["name"] == "nccl"
+        assert "libnccl-fake" in rank["amem_backend"]["nccl"]
         assert "world" in rank["steps"][0]["amem_begin"]["suspended"]
 
 
