@@ -46,11 +46,9 @@ import sys
 import tempfile
 
 from .bench_report import summarise, write_outputs
-from .bench_stages import buffer_env
+from .bench_stages import ROLES, buffer_env  # noqa: F401 (ROLES: the CLI reads it here)
 from .launch import backend_refusal, plan_ranks, quiet_missing_numpy
 
-ROLES = ("world", "dp", "dp_cp", "cp", "expert_dp", "intra_dp_cp", "embd", "pos_embd",
-         "inter_dist_opt", "tp_dp", "ep", "pp")
 MODES = ("none", "naive", "overlap", "recreate", "touch", "touch-nolearn")
 DEFAULT_MODES = ("none", "naive", "overlap", "recreate")
 

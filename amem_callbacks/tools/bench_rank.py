@@ -22,8 +22,7 @@ from .. import guard
 from ..groups import name_group
 from ..options import DEFAULT_WORKERS
 from ..policy import OffloadPolicy
-from .bench import ROLES
-from .bench_stages import Stages, plan
+from .bench_stages import ROLES, Stages, plan
 from .launch import free_port, gather_ints, local_device
 from .pairs import interleaved
 from .progress import progress_during
@@ -303,6 +302,14 @@ def _caller_progress(loop: Loop, backend: str, workers: int) -> dict:
     return out
 
 
+def _learned(metrics: dict, phase: str) -> dict:
+    """``{phase: {group: guard resumes}}`` from the ``amem/learned/<phase>/<group>``
+    figures ({} when nothing was learned in that phase)."""
+    prefix = f"amem/learned/{phase}/"
+    found = {k[len(prefix):]: v for k, v in metrics.items() if k.startswith(prefix)}
+    return {phase: found} if found else {}
+
+
 def run_rank(args, rank: int, world: int, use_cuda: bool) -> dict:
     if use_cuda:
         torch.cuda.set_device(local_device(int(os.environ.get("LOCAL_RANK", rank))))
@@ -336,8 +343,9 @@ def run_rank(args, rank: int, world: int, use_cuda: bool) -> dict:
             modes[mode]["gpu_freed"] = gpu_freed
             modes[mode]["nccl_bytes_all_ranks"] = [sum(step) for step in zip(*nccl)]
         if policy is not None:
-            modes[mode]["auto_resumes"] = getattr(policy._counters, "auto_resumes", None)
-            modes[mode]["learned"] = policy._learned.by_phase()
+            totals = policy.metrics(last=False)
+            modes[mode]["auto_resumes"] = totals.get("amem/total/auto_resumes")
+            modes[mode]["learned"] = _learned(totals, "rollout")
         stages.finished(f"mode {mode} ({args.steps} steps)")
 
     result["modes"] = modes

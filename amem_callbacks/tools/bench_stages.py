@@ -13,6 +13,9 @@ import os
 import sys
 import time
 
+# The bench's groups, Megatron-like roles, as many as --groups asks (cli caps it here).
+ROLES = ("world", "dp", "dp_cp", "cp", "expert_dp", "intra_dp_cp", "embd", "pos_embd",
+         "inter_dist_opt", "tp_dp", "ep", "pp")
 # bandwidth_*: P4's all-reduce, 7 timed windows of that many calls (not options).
 QUICK = {"groups": 2, "steps": 2, "rollout_s": 1.0, "train_s": 0.2, "grad_mib": 16,
          "modes": ("none", "naive", "overlap"), "pairs": 3, "sweep": [], "guard_calls": 1200,
