@@ -8,6 +8,7 @@ Each scenario returns a JSON-able dict, written to AMEM_TEST_OUT/rank<r>.json.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -130,6 +131,39 @@ def summarize(report) -> dict:
     }
 
 
+# --- what a scenario reads of a policy: its public surface only (issue #31) -------------
+
+def totals(policy) -> dict:
+    """The policy's running totals and learned keeps, flat (``metrics(last=False)``:
+    ``amem/total/...``, ``amem/learned/...``, ``amem/inert``, ``amem/pending``)."""
+    return policy.metrics(last=False)
+
+
+def total(policy, name: str):
+    """One running total, ``amem/total/<name>`` (auto_resumes, failures, begins, ...)."""
+    return policy.metrics(last=False)[f"amem/total/{name}"]
+
+
+def is_inert(policy) -> bool:
+    """Whether the ranks agreed nothing can be freed here (``amem/inert``)."""
+    return bool(policy.metrics()["amem/inert"])
+
+
+def learned(policy) -> dict:
+    """The learned keeps as ``metrics()`` gives them: ``amem/learned/<phase>/<group>``
+    -> guard resumes ({} when nothing was learned)."""
+    return {k: v for k, v in policy.metrics(last=False).items()
+            if k.startswith("amem/learned/")}
+
+
+def phase_open(policy) -> bool:
+    """Whether a phase is open on this rank, as a session over the policy shows it
+    (``RolloutSession.active``; the policy itself shows no phase state)."""
+    from amem_callbacks import RolloutSession
+
+    return RolloutSession(policy).active
+
+
 @scenario
 def discovery(args):
     init()
@@ -156,7 +190,7 @@ def fake_cycle(args):
         exact = all(allreduce_ok(g, cycle + 2) for g in groups.values())
         cycles.append({"begin": summarize(begin), "end": summarize(end), "during": during,
                        "after": after, "kept_ok": kept_ok, "exact": exact})
-    return {"cycles": cycles, "counters": policy._counters.as_dict(),
+    return {"cycles": cycles, "counters": totals(policy),
             "metrics": policy.metrics(),
             "counts": {n: [fake.controls.count(c, SUSPEND_OP), fake.controls.count(c, RESUME_OP)]
                        for n, c in fake.comms.items()}}
@@ -211,7 +245,7 @@ def guard(args):
     end = policy.end("rollout")
     out["end"] = summarize(end)
     out["after"] = fake.suspended()
-    out["auto_resumes"] = policy._counters.auto_resumes
+    out["auto_resumes"] = total(policy, "auto_resumes")
     out["exact_after"] = all(allreduce_ok(g, 5.0) for g in groups.values())
     return out
 
@@ -291,7 +325,7 @@ def inject(args):
     during = fake.suspended()
     end = policy.end("rollout")
     out = {"begin": summarize(begin), "during": during, "end": summarize(end),
-           "after": fake.suspended(), "failures": policy._counters.failures}
+           "after": fake.suspended(), "failures": total(policy, "failures")}
     try:
         out["exact_after"] = all(allreduce_ok(g) for g in groups.values())
     except SuspendedGroupError as exc:
@@ -315,8 +349,8 @@ def backend_mismatch(args):
     begin = policy.begin("rollout")
     during = fake.suspended()
     policy.end("rollout")
-    return {"begin": summarize(begin), "inert": policy._inert, "during": during,
-            "why": policy._backend_description,
+    return {"begin": summarize(begin), "inert": is_inert(policy), "during": during,
+            "why": begin.skipped,  # an inert policy's begin says why it did nothing
             "exact": all(allreduce_ok(g) for g in groups.values())}
 
 
@@ -329,7 +363,7 @@ def noop_dry_run(args):
     exact = allreduce_ok(groups["dp"])  # guard "resumes" (dry) and counts it
     end = policy.end("rollout")
     return {"begin": summarize(begin), "end": summarize(end), "exact": exact,
-            "auto_resumes": policy._counters.auto_resumes}
+            "auto_resumes": total(policy, "auto_resumes")}
 
 
 @scenario
@@ -395,10 +429,10 @@ def lifecycle(args):
             raise KeyError("boom")
     except KeyError:
         pass
-    out["after_exception_phase"] = policy._phase
+    out["after_exception_open"] = phase_open(policy)
     out["after_exception"] = fake.suspended()
     out["exact"] = all(allreduce_ok(g) for g in groups.values())  # guard resumes
-    out["auto_resumes"] = policy._counters.auto_resumes
+    out["auto_resumes"] = total(policy, "auto_resumes")
     out["after_guard"] = fake.suspended()
     return out
 
@@ -454,8 +488,8 @@ def interleave(args):
     policy.wait()
     exact.append(all(allreduce_ok(g) for g in groups.values()))
     return {"violations": violations, "exact": all(exact), "actions": actions,
-            "auto_resumes": policy._counters.auto_resumes, "left_suspended": fake.suspended(),
-            "failures": policy._counters.failures}
+            "auto_resumes": total(policy, "auto_resumes"), "left_suspended": fake.suspended(),
+            "failures": total(policy, "failures")}
 
 
 @scenario
@@ -505,7 +539,7 @@ def learn_keep(args):
                 allreduce_ok(groups["dp"])
             except Exception as exc:  # guard="strict"
                 raised = type(exc).__name__
-        before = policy._counters.auto_resumes
+        before = total(policy, "auto_resumes")
         end = policy.end("rollout")
         phases.append({"dp": [dp.action, dp.reason], "raised": raised,
                        "ep": next(g.action for g in begin.groups if g.name == "ep"),
@@ -642,7 +676,7 @@ def _nothing_applied(policy) -> dict:
     from amem_callbacks import guard
 
     wrapped = hasattr(dist.ProcessGroup.__dict__.get("allreduce"), "__amem_original__")
-    return {"phase": policy._phase, "held": [v.name for v in policy.groups()],
+    return {"phase_open": phase_open(policy), "held": [v.name for v in policy.groups()],
             "watched": len(guard.watched()), "guard_installed": wrapped}
 
 
@@ -682,7 +716,7 @@ def nested_phase(args):
                 out["inner_ran"] = True
         except PhaseError as exc:
             out["error"] = str(exc)
-        out["after_refusal"] = {"phase": policy._phase, "suspended": fake.suspended(),
+        out["after_refusal"] = {"phase_open": phase_open(policy), "suspended": fake.suspended(),
                                 "held": [v.name for v in policy.groups()]}
         out["second_begin"] = policy.begin("rollout").skipped  # begin twice: warned, ignored
         out["after_second_begin"] = fake.suspended()
@@ -690,7 +724,7 @@ def nested_phase(args):
     out["exact"] = all(allreduce_ok(g) for g in groups.values())
     with policy.phase("rollout") as report:
         out["next_phase"] = {g.name: str(g.action) for g in report.groups}
-    out.update(auto_resumes=policy._counters.auto_resumes, learned=policy._learned.by_phase(),
+    out.update(auto_resumes=total(policy, "auto_resumes"), learned=learned(policy),
                end=_nothing_applied(policy))
     return out
 
@@ -702,9 +736,29 @@ class _PathOfFails(NcclBackend):
         raise RuntimeError("path_of exploded")
 
 
+@contextlib.contextmanager
+def _store_lost():
+    """Every store exchange of the agreement rounds raises meanwhile: the lost
+    connection is put on the Agreement class, so the scenario needs no handle on
+    the policy's own agreement (which the policy keeps private)."""
+    from amem_callbacks.agreement import Agreement
+
+    real = Agreement.exchange
+
+    def lost(self, values):
+        raise RuntimeError("store connection lost")
+
+    Agreement.exchange = lost
+    try:
+        yield
+    finally:
+        Agreement.exchange = real
+
+
 def failed_transitions(args):
     """begin/end that raise partway leave no phase open, and name every group
     still held; groups nobody suspended are released (guard off them)."""
+    from amem_callbacks import RolloutSession
     from amem_callbacks.options import MAX_C_INT
 
     groups, fake = fake_groups()
@@ -721,36 +775,30 @@ def failed_transitions(args):
     policy = OffloadPolicy(backend=fake.backend(), keep=["tp"], agree_timeout_s=20, timeout_s=30)
     with policy.phase("rollout"):
         pass  # sets up the agreement
-    agreement = policy._setup.agreement
-    real_exchange = agreement.exchange
-
-    def lost(values):
-        raise RuntimeError("store connection lost")
-
-    agreement.exchange = lost
     try:
-        policy.begin("rollout")
+        with _store_lost():
+            policy.begin("rollout")
     except Exception as exc:
         out["begin"] = {"error": f"{type(exc).__name__}: {exc}", "suspended": fake.suspended(),
                         **_nothing_applied(policy)}
-    agreement.exchange = real_exchange
     out["guard_resumes"] = all(allreduce_ok(g) for g in groups.values())
     out["after_guard"] = {"suspended": fake.suspended(), **_nothing_applied(policy)}
     # 3. the store fails after every resume of an end: nothing is held, the error is the store's
     policy.begin("rollout")
-    agreement.exchange = lost
     try:
-        policy.end("rollout")
+        with _store_lost():
+            policy.end("rollout")
     except Exception as exc:
         out["end"] = {"error": f"{type(exc).__name__}: {exc}", "suspended": fake.suspended(),
                       **_nothing_applied(policy)}
-    agreement.exchange = real_exchange
     # 4. a device this process does not have: refused at the first begin, before any agreement
     policy = OffloadPolicy(backend="noop", device=MAX_C_INT)
     try:
         policy.begin("rollout")
     except ValueError as exc:
-        out["device"] = {"error": f"{type(exc).__name__}: {exc}", "set_up": policy._backend,
+        # nothing set up: a session over it shows no figures before the first set-up
+        out["device"] = {"error": f"{type(exc).__name__}: {exc}",
+                         "set_up": RolloutSession(policy).metrics() != {},
                          **_nothing_applied(policy)}
     out["exact"] = all(allreduce_ok(g) for g in groups.values())
     return out
@@ -806,10 +854,12 @@ def trl_single_process(args):
                           processing_class=trl_run.tokenizer(), callbacks=[callback])
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
-    return {"lines": lines, "skipped": callback.policy._last_report.skipped,
+    # wait() returns the last report (nothing runs in the background here): the
+    # begin that found no torch.distributed, and why it did nothing
+    return {"lines": lines, "skipped": callback.policy.wait().skipped,
             "distributed": dist.is_initialized(), "steps": len(logs),
             "amem_keys": sorted({k for h in logs for k in h if k.startswith("amem/")}),
-            "phase": callback.policy._phase, "watched": len(guard.watched())}
+            "active": callback.active, "watched": len(guard.watched())}
 
 
 def phase_body_raises(args):
@@ -824,11 +874,11 @@ def phase_body_raises(args):
             raise RuntimeError("generation failed")
     except RuntimeError:
         pass
-    out["after_raise"] = {"phase": policy._phase, "suspended": fake.suspended()}
+    out["after_raise"] = {"phase_open": phase_open(policy), "suspended": fake.suspended()}
     out["dp_exact"] = allreduce_ok(groups["dp"])  # the guard resumes dp, collective
     with policy.phase("rollout") as report:
         out["next_phase"] = {g.name: str(g.action) for g in report.groups}
-        out["failures"] = policy._counters.failures
+        out["failures"] = total(policy, "failures")
     out.update(after=fake.suspended(), exact=all(allreduce_ok(g) for g in groups.values()),
-               learned=policy._learned.by_phase(), end=_nothing_applied(policy))
+               learned=learned(policy), end=_nothing_applied(policy))
     return out

@@ -122,7 +122,7 @@ def test_the_largest_accepted_timeouts_run_whole_phases():
             assert run["during"] == {"dp": True, "ep": True, "tp": False, "world": True}, overlap
             assert run["after"] == {"dp": False, "ep": False, "tp": False, "world": False}
             assert run["exact"] and run["freed"] > 0
-            assert run["phase"] is None and run["held"] == [] and not run["guard_installed"]
+            assert not run["phase_open"] and run["held"] == [] and not run["guard_installed"]
 
 
 # --- phases do not nest; a failed begin or end leaves nothing applied -------------------
@@ -134,7 +134,7 @@ def test_a_nested_phase_fails_at_entry_and_leaves_the_outer_one_intact():
         assert res["error"].startswith("phase('rollout') entered while phase 'rollout' is open: "
                                        "phases do not nest")
         assert res["before"] == suspended
-        assert res["after_refusal"] == {"phase": "rollout", "suspended": suspended,
+        assert res["after_refusal"] == {"phase_open": True, "suspended": suspended,
                                         "held": ["world", "dp", "ep"]}
         assert res["second_begin"] == "phase 'rollout' is already active"  # begin: warned
         assert res["after_second_begin"] == suspended
@@ -143,12 +143,13 @@ def test_a_nested_phase_fails_at_entry_and_leaves_the_outer_one_intact():
         assert res["auto_resumes"] == 0 and res["learned"] == {}
         assert res["next_phase"] == {"world": "suspended", "dp": "suspended", "ep": "suspended",
                                      "tp": "kept"}
-        assert res["end"] == {"phase": None, "held": [], "watched": 0, "guard_installed": False}
+        assert res["end"] == {"phase_open": False, "held": [], "watched": 0,
+                              "guard_installed": False}
 
 
 def test_a_begin_or_end_that_raises_leaves_no_phase_and_names_what_it_holds():
     (res,) = results("failed_transitions", world=1)
-    nothing = {"phase": None, "held": [], "watched": 0, "guard_installed": False}
+    nothing = {"phase_open": False, "held": [], "watched": 0, "guard_installed": False}
     assembly = res["assembly"]  # the guard was watching groups no worker would ever suspend
     assert assembly.pop("error") == "RuntimeError: path_of exploded"
     assert not any(assembly.pop("suspended").values())  # none was suspended
@@ -159,7 +160,7 @@ def test_a_begin_or_end_that_raises_leaves_no_phase_and_names_what_it_holds():
                                      "(suspended), 'dp' (suspended), 'ep' (suspended): the guard "
                                      "resumes each")
     assert begin["suspended"] == {"dp": True, "ep": True, "tp": False, "world": True}
-    assert begin["phase"] is None and begin["held"] == ["world", "dp", "ep"]
+    assert not begin["phase_open"] and begin["held"] == ["world", "dp", "ep"]
     assert res["guard_resumes"]  # the guard resumes each at its next call, as the message says
     assert res["after_guard"] == {"suspended": dict.fromkeys(begin["suspended"], False),
                                   **nothing}
@@ -170,7 +171,7 @@ def test_a_begin_or_end_that_raises_leaves_no_phase_and_names_what_it_holds():
     device = res["device"]
     assert device.pop("error").startswith("OptionError: device=2147483647, but this process "
                                           "sees ")
-    assert device.pop("set_up") is None and device == nothing and res["exact"]
+    assert device.pop("set_up") is False and device == nothing and res["exact"]
 
 
 # --- the Megatron launcher refuses a flag of ours it does not know -----------------------
@@ -243,7 +244,7 @@ def test_one_process_under_trl_is_told_there_is_nothing_to_free_not_to_init():
     assert level == "INFO" and "a single process" in message
     assert "no NCCL communicator to free" in message and "init_process_group" not in message
     assert res["skipped"] == message.split(": ", 2)[2]
-    assert res["amem_keys"] == [] and res["phase"] is None and res["watched"] == 0
+    assert res["amem_keys"] == [] and res["active"] is False and res["watched"] == 0
 
 
 def test_a_launched_rank_without_init_is_told_to_init(monkeypatch, caplog):
@@ -274,8 +275,9 @@ def test_the_demo_table_keeps_a_long_inert_reason_out_of_its_columns(capsys):
 
     why = "nccl: no NCCL library is loaded in this process " * 8  # ~400 characters
     skipped = TransitionReport(phase="rollout", kind=Kind.BEGIN, backend="noop", skipped=why)
-    policy = type("Inert", (), {"_backend": type("B", (), {"name": "noop"})(), "_inert": True,
-                                "_backend_description": why})()
+    # what the table reads of the policy: its metrics (amem/inert); the rest is in the rows
+    policy = type("Inert", (), {"metrics": lambda self, prefix="amem/", last=True:
+                                {"amem/inert": 1, "amem/pending": 0}})()
     print_table([(0, 0.5, skipped, skipped, [0, 0], None)], policy)
     lines = capsys.readouterr().out.splitlines()
     row = next(line for line in lines if line.strip().startswith("0 "))
@@ -369,7 +371,7 @@ def test_docs_verl_table_holds_every_key_in_one_table():
 
 def test_a_phase_whose_body_raised_is_resumed_by_the_next_begin_not_suspended_twice():
     for res in results("phase_body_raises"):
-        assert res["after_raise"] == {"phase": None, "suspended": {
+        assert res["after_raise"] == {"phase_open": False, "suspended": {
             "dp": True, "ep": True, "tp": False, "world": True}}
         assert res["dp_exact"]
         assert res["next_phase"] == {"world": "suspended", "dp": "suspended", "ep": "suspended",
@@ -377,4 +379,5 @@ def test_a_phase_whose_body_raised_is_resumed_by_the_next_begin_not_suspended_tw
         assert res["failures"] == 0
         assert res["after"] == {"dp": False, "ep": False, "tp": False, "world": False}
         assert res["exact"] and res["learned"] == {}
-        assert res["end"] == {"phase": None, "held": [], "watched": 0, "guard_installed": False}
+        assert res["end"] == {"phase_open": False, "held": [], "watched": 0,
+                              "guard_installed": False}

@@ -151,7 +151,7 @@ def test_lifecycle_corner_cases():
         assert all(res["during"].values()) and not any(res["after"].values())
         assert all(res["ctx_during"].values()) and not any(res["ctx_after"].values())
         # the body raised: groups stay suspended, the phase is over, the guard resumes on use
-        assert res["after_exception_phase"] is None and all(res["after_exception"].values())
+        assert res["after_exception_open"] is False and all(res["after_exception"].values())
         assert res["exact"] and res["auto_resumes"] == 4 and not any(res["after_guard"].values())
 
 

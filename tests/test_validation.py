@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from amem_callbacks import OffloadPolicy
+from amem_callbacks import OffloadPolicy, RolloutSession
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -115,7 +115,8 @@ def test_before_init_process_group_begin_warns_once_and_leaves_no_phase(caplog, 
         first = policy.begin("rollout")
         second = policy.begin("rollout")
     assert "call init_process_group before begin()" in first.skipped
-    assert policy._phase is None and second.skipped == first.skipped
+    # no phase opened: the second begin was not refused as "already active"
+    assert not RolloutSession(policy).active and second.skipped == first.skipped
     assert len([r for r in caplog.records if "init_process_group" in r.getMessage()]) == 1
     assert policy.end("rollout").skipped == "no phase is active"
     assert policy.end().skipped == "no phase is active"

@@ -3,7 +3,9 @@ summary in words, and the full metrics as JSON in a file.
 
 Each row is ``(step, loss, begin report, end report, NCCL bytes per rank, GPU
 bytes freed or None)``. Counters are read with ``.get``: their names differ
-between a dry run and a real one.
+between a dry run and a real one. What is shown of the policy is its public
+surface: ``metrics()`` (``amem/inert``, the dry run's ``would_suspend`` figures)
+and the rows' reports (the backend's name, and why nothing was done).
 """
 
 from __future__ import annotations
@@ -16,16 +18,28 @@ MiB = 2**20
 _MOVED = ("suspended", "would suspend")
 
 
+def inert(policy) -> bool:
+    """The ranks agreed nothing can be freed here: training ran unchanged."""
+    return bool(policy.metrics(last=False).get("amem/inert"))
+
+
 def dry_run(policy) -> bool:
-    return bool(getattr(policy._backend, "dry_run", False)) and not policy._inert
+    """A dry run (noop backend) names what it would suspend in its figures; an
+    inert policy finished no begin, so it has none."""
+    return "amem/begin/groups_would_suspend" in policy.metrics() and not inert(policy)
+
+
+def backend_name(rows: list) -> str:
+    """The backend the begins went through, as their reports name it."""
+    return rows[-1][2].backend if rows else "none"
 
 
 def print_table(rows: list, policy) -> None:
     shared = rows[-1][2].device_shared_by if rows else 1
-    print(f"\nbackend: {policy._backend.name if policy._backend else 'none'}"
-          f"{' (inert: training ran unchanged)' if policy._inert else ''}")
-    if policy._inert:  # on its own line: a reason can run to hundreds of characters
-        print(f"  why: {policy._backend_description}")
+    print(f"\nbackend: {backend_name(rows)}"
+          f"{' (inert: training ran unchanged)' if inert(policy) else ''}")
+    if inert(policy) and rows:  # on its own line: a reason can run to hundreds of characters
+        print(f"  why: {rows[-1][2].skipped}")
     if shared > 1:
         print(f"{shared} ranks share GPU 0: 'GPU freed' is the whole device (all {shared} "
               "ranks' buffers), 'NCCL' is each rank's own, from NCCL's stats")
@@ -45,8 +59,8 @@ def print_table(rows: list, policy) -> None:
 def write_json(out: str, rows: list, policy, world: int) -> str:
     path = os.path.join(out, "demo.json")
     data = {
-        "backend": policy._backend.name if policy._backend else None,
-        "dry_run": dry_run(policy), "inert": policy._inert, "ranks": world,
+        "backend": rows[-1][2].backend if rows else None,
+        "dry_run": dry_run(policy), "inert": inert(policy), "ranks": world,
         "steps": [{"step": step, "loss": loss, "begin": begin.summary(), "end": end.summary(),
                    "groups": {g.name: str(g.action) for g in begin.groups},
                    "nccl_bytes_per_rank": nccl_all, "gpu_freed_bytes": freed,
@@ -69,9 +83,9 @@ def summary(rows: list, policy, path: str) -> str:
     kept = [g.name for g in last.kept]
     metrics = policy.metrics()
     lines = [""]
-    if policy._inert:
+    if inert(policy):
         lines.append(f"summary: nothing was suspended, training ran unchanged "
-                     f"({policy._backend_description})")
+                     f"({last.skipped})")
     elif dry_run(policy):
         lines.append("summary (DRY RUN, noop backend: nothing was suspended or freed)")
         lines.append(f"  would suspend at each rollout: {', '.join(moved) or 'nothing'}")
@@ -83,7 +97,7 @@ def summary(rows: list, policy, path: str) -> str:
     if dry_run(policy):
         lines.append(f"  NCCL memory: {sum(r[2].nccl_bytes for r in rows) / MiB:.0f} MiB (no NCCL "
                      "communicators in a dry run; on GPUs this line gives the MiB suspended)")
-    elif not policy._inert:
+    elif not inert(policy):
         per_rank = statistics.mean(r[2].nccl_bytes for r in rows)
         every = statistics.mean(sum(r[4]) for r in rows)
         line = f"  NCCL memory suspended: {per_rank / MiB:.0f} MiB on rank 0, " \
