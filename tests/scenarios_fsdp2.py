@@ -95,10 +95,11 @@ def fsdp2_rollouts(args):
         policy.end("rollout")  # returns at once
         losses.append(_train_step(model, optimizer, step))
     policy.wait()
-    counters = policy._counters
+    totals = policy.metrics(last=False)
     return {"keep": keep, "losses": losses, "baseline": baseline,
             "weights_equal": _weights(model) == baseline_weights,
             "suspended_during": suspended_during, "suspended_after": fake.suspended(),
-            "begins": begins, "auto_resumes": counters.auto_resumes,
-            "guard_wait_seconds": counters.guard_wait_seconds,
-            "group_suspends": counters.group_suspends, "group_resumes": counters.group_resumes}
+            "begins": begins, "auto_resumes": totals["amem/total/auto_resumes"],
+            "guard_wait_seconds": totals["amem/total/guard_wait_seconds"],
+            "group_suspends": totals["amem/total/group_suspends"],
+            "group_resumes": totals["amem/total/group_resumes"]}

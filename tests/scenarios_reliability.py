@@ -13,7 +13,8 @@ import torch.distributed as dist
 from amem_callbacks import OffloadPolicy
 from amem_callbacks.errors import TransitionTimeout
 from amem_callbacks.memory import host_rss_bytes
-from tests.scenarios import FakeNccl, allreduce_ok, init, make_groups, rank, summarize
+from tests.scenarios import FakeNccl, allreduce_ok, init, is_inert, make_groups, rank, summarize, \
+    total, totals
 
 MiB = 2**20
 
@@ -58,7 +59,7 @@ def cycles_flat(args):
             samples[cycle] = {"rss": host_rss_bytes(), "threads": threading.active_count(),
                               "store_keys": store.num_keys()}
     return {"samples": samples, "exact": all(allreduce_ok(g) for g in groups.values()),
-            "counters": policy._counters.as_dict()}
+            "counters": totals(policy)}
 
 
 def ddp_identical(args):
@@ -93,7 +94,7 @@ def ddp_identical(args):
     losses, params, policy = train(True)
     return {"losses_equal": losses == base_losses,
             "params_equal": all(torch.equal(a, b) for a, b in zip(params, base_params)),
-            "suspends": policy._counters.group_suspends, "losses": losses}
+            "suspends": total(policy, "group_suspends"), "losses": losses}
 
 
 class _Lines(logging.Handler):
@@ -138,7 +139,7 @@ def unusable(args):
         policy.end("rollout")
     assert isinstance(backend, str) or isinstance(backend, (NcclBackend, AmemBackend))
     warnings = [m for level, m in lines.lines if level in ("WARNING", "ERROR")]
-    return {"inert": policy._inert, "skipped": begin.skipped, "warnings": warnings,
+    return {"inert": is_inert(policy), "skipped": begin.skipped, "warnings": warnings,
             "exact": exact and all(allreduce_ok(g) for g in groups.values())}
 
 
