@@ -38,13 +38,7 @@ from tests.gpu import common  # noqa: E402
 
 def host_memory() -> dict:
     """MemTotal, MemFree, MemAvailable, Cached of /proc/meminfo, bytes."""
-    out = {}
-    with open("/proc/meminfo") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if key in ("MemTotal", "MemFree", "MemAvailable", "Cached"):
-                out[key] = int(rest.split()[0]) * 1024
-    return out
+    return common.proc_fields("/proc/meminfo", ("MemTotal", "MemFree", "MemAvailable", "Cached"))
 
 
 def uptime_s() -> float:

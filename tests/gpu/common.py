@@ -423,3 +423,16 @@ def provenance(script: str, argv=None) -> dict:
             "command": " ".join([os.path.basename(sys.executable), script,
                                  *map(shlex.quote, map(str, args))]),
             "env": {k: os.environ[k] for k in PROVENANCE_ENV if k in os.environ}}
+
+
+def proc_fields(path: str, keys: tuple) -> dict:
+    """Named fields of a /proc file (/proc/self/status, /proc/meminfo): values
+    given in kB as bytes, plain counts (Threads) as they are."""
+    out = {}
+    with open(path) as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in keys:
+                parts = rest.split()
+                out[key] = int(parts[0]) * (1024 if len(parts) > 1 else 1)
+    return out

@@ -128,14 +128,9 @@ def flat(values: list, warmup_fraction: float = WARMUP_FRACTION,
 
 def proc_status() -> dict:
     """VmRSS, VmLck, VmPin in bytes and Threads from /proc/self/status."""
-    out = {}
-    with open("/proc/self/status") as status:
-        for line in status:
-            key, _, rest = line.partition(":")
-            if key in ("VmRSS", "VmLck", "VmPin", "Threads"):
-                parts = rest.split()
-                out[key] = int(parts[0]) * (1024 if len(parts) > 1 else 1)
-    return out
+    from tests.gpu.common import proc_fields
+
+    return proc_fields("/proc/self/status", ("VmRSS", "VmLck", "VmPin", "Threads"))
 
 
 # --- rank program ---------------------------------------------------------
