@@ -37,7 +37,7 @@ def main() -> None:
         "settings": dataclasses.asdict(controller.settings),
         "reports": [[via, report.kind, {g.name: g.action for g in report.groups}]
                     for via, report in controller.reports],
-        "counters": controller.policy._counters.as_dict(),
+        "counters": controller.policy.metrics(last=False),
     }
     with open(os.path.join(args.out, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump(result, f)

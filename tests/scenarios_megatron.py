@@ -165,7 +165,7 @@ def engine_cycle(args):
         kept_exact = all(exact(e.group, cycle + 2.0) for e in kept)
         still = fake.suspended()  # calls on kept groups must not have resumed anything
         engine.resume()  # running already: the engine returns at once, no second begin
-        begins = controller.policy._counters.begins
+        begins = controller.policy.metrics(last=False)["amem/total/begins"]
         engine.suspend()
         controller.policy.wait()
         after = fake.suspended()
@@ -178,7 +178,7 @@ def engine_cycle(args):
             "begins_after_second_resume": begins, "all_exact": all_exact})
     out.update(
         mode=controller.rollout_groups.mode, kept=controller.rollout_groups.kept_names,
-        counters=controller.policy._counters.as_dict(), context_calls=engine.context.calls,
+        counters=controller.policy.metrics(last=False), context_calls=engine.context.calls,
         tensorboard_names=sorted({n for n, _, _ in tensorboard.scalars}),
         tensorboard_steps=sorted({s for _, _, s in tensorboard.scalars}),
         wandb_calls=len(wandb.logged),
@@ -287,7 +287,7 @@ def interface_seam(args):
         cycles.append({"during": during, "after": fake.suspended(),
                        "exact": all(exact(e.group, cycle + 2.0) for e in controller.rollout_groups.entries)})
     return {"patched": patched, "cycles": cycles, "via": [v for v, _ in controller.reports],
-            "counters": controller.policy._counters.as_dict(), "calls": interface.calls,
+            "counters": controller.policy.metrics(last=False), "calls": interface.calls,
             "engine_calls": engine.context.calls}
 
 
@@ -500,7 +500,7 @@ def loop_seam(args):
                        "gathered": len(ddp_module.GATHERS) - gathers_before,
                        "hooks_on_after": bool(chunk.remove_forward_pre_hook_handles),
                        "suspended_after": fake.suspended()})
-    counters = controller.policy._counters.as_dict()
+    counters = controller.policy.metrics(last=False)
     return {"events": events, "rounds": rounds, "staged": optimizer.staged,
             "gathers_exact": all(g == [1.0] * 4 + [2.0] * 4 for g in ddp_module.GATHERS),
             "guard_resumes": counters["amem/total/auto_resumes"],

@@ -435,7 +435,7 @@ def worker_cycle(args):
         "driver_calls": manager.actor_wg.calls,
         "logged": tracking.logger["capture"].logged,
         "session": None if session is None else {
-            "counters": session.policy._counters.__dict__,
+            "counters": session.policy.metrics(last=False),
             "metrics": session.metrics(),
             "utilization_now": session.gpu_memory_utilization,
             "headroom_line": session.headroom.line() if session.headroom else None},

@@ -167,10 +167,10 @@ def test_fsdp_suspends_after_the_handoff_before_the_kv_cache_and_resumes_when_ro
                     + step(True) + step(False))
         assert [tuple(e) for e in res["events"]] == expected
         counters = res["session"]["counters"]
-        assert counters["begins"] == 3 and counters["ends"] == 2
-        assert counters["group_suspends"] == 3 * len(ALL)
-        assert counters["group_resumes"] == 2 * len(ALL)
-        assert counters["auto_resumes"] == 0 and counters["failures"] == 0
+        assert counters["amem/total/begins"] == 3 and counters["amem/total/ends"] == 2
+        assert counters["amem/total/group_suspends"] == 3 * len(ALL)
+        assert counters["amem/total/group_resumes"] == 2 * len(ALL)
+        assert counters["amem/total/auto_resumes"] == 0 and counters["amem/total/failures"] == 0
         assert res["driver_calls"] == ["amem_rollout_ended", "amem_rollout_ended", "amem_metrics",
                                        "amem_rollout_ended", "amem_metrics"]
         (step1, log1), (step2, log2) = res["logged"]
@@ -202,8 +202,8 @@ def test_megatron_without_kv_cache_release_suspends_at_the_end_of_the_update():
                 assert down == ALL, label
         # the strict guard saw no call on a suspended one
         counters = res["session"]["counters"]
-        assert counters["begins"] == 3 and counters["ends"] == 2
-        assert counters["auto_resumes"] == 0 and counters["failures"] == 0
+        assert counters["amem/total/begins"] == 3 and counters["amem/total/ends"] == 2
+        assert counters["amem/total/auto_resumes"] == 0 and counters["amem/total/failures"] == 0
         assert res["driver_calls"] == ["amem_rollout_ended", "amem_metrics", "amem_metrics"]
 
 
@@ -222,7 +222,7 @@ def test_a_disaggregated_checkpoint_engine_suspends_nothing():
         assert "checkpoint_engine.send_weights 1 tensors" in labels(events)
         assert not any(label.startswith("amem") for label in labels(events))
         assert all(down == [] for _label, down in events)
-        assert res["session"]["counters"]["begins"] == 0
+        assert res["session"]["counters"]["amem/total/begins"] == 0
 
 
 def test_the_example_script_composes_verls_config_with_the_block():
