@@ -86,11 +86,14 @@ class Recorder:
         self.fake = fake
 
     def state(self) -> dict:
-        policy = self.callback.policy if self.callback else None
-        out = {"phase": policy._phase if policy else None,
+        session = self.callback.session if self.callback else None
+        # the callback's session: its phase while active, and its latest report as
+        # it stands now (a begin or end still running says pending; nothing waits here)
+        out = {"phase": session.phase if session is not None and session.active else None,
                "step": self.trainer._step if self.trainer else None}
-        if policy is not None and policy._last_report is not None:
-            out["last"] = [policy._last_report.kind, policy._last_report.pending]
+        if session is not None and session.history:
+            last = session.history[-1][1]
+            out["last"] = [last.kind, last.pending]
         if self.fake is not None:
             out["suspended"] = self.fake.suspended()
         return out
@@ -183,7 +186,7 @@ def train(callback_options=None, trainer_class=None, configure=None, fake=None, 
            "amem_logs": [{k: v for k, v in h.items() if k.startswith("amem/")} for h in logs]}
     if callback is not None:
         policy = callback.policy
-        out.update(counters=policy._counters.as_dict(), kept=callback.kept, mode=callback.mode,
+        out.update(counters=policy.metrics(last=False), kept=callback.kept, mode=callback.mode,
                    metrics=callback.metrics(),
                    begin_groups={g.name: [g.action, g.reason] for g in callback.last_begin.groups}
                    if callback.last_begin is not None else {},
