@@ -102,16 +102,33 @@ def make_engine(pg_collection):
     return engine
 
 
-def nccl_suspended(controller, entries) -> dict:
-    """NCCL's own word per group, read past the policy's bookkeeping."""
-    from tests.gpu.common import comm_handle
+def nccl_suspended(entries) -> dict:
+    """NCCL's own word per group (ncclCommMemStats), read past the policy's
+    bookkeeping: through a backend of this script's own over the NCCL this process
+    loaded (the fake's on CPU), for groups the policy holds and those it does not."""
+    from amem_callbacks.backends.nccl import NcclBackend
+    from tests.gpu.common import comm_handle, nccl_library
 
+    reader = NcclBackend(library=nccl_library())
     out = {}
     for entry in entries:
         handle, _ = comm_handle(entry.group)
-        out[entry.name] = None if handle is None else \
-            controller.policy._backend.memory(handle).suspended
+        out[entry.name] = None if handle is None else reader.memory(handle).suspended
     return out
+
+
+def backend_record(controller) -> dict:
+    """The backend as the last begin report names it; when every begin did nothing
+    (inert: none is in the session's history), wait() gives the last report, which
+    says why; and the NCCL this process loaded, which the nccl backend calls."""
+    from tests.gpu.common import nccl_library
+
+    inert = bool(controller.policy.metrics()["amem/inert"])
+    report = controller.last_begin or controller.policy.wait()
+    lib = nccl_library()
+    return {"name": getattr(report, "backend", None), "inert": inert,
+            "why_inert": report.skipped if inert and report is not None else None,
+            "nccl": None if lib is None else f"NCCL {lib.version_str} from {lib.path}"}
 
 
 def worker(config: str, out_dir: str) -> bool:
@@ -161,14 +178,14 @@ def worker(config: str, out_dir: str) -> bool:
         idle = [e.name for e in plan.entries if not e.keep]
         suspended = {g.name: g.suspendable_bytes or 0 for g in begin.suspended}
         nccl_bytes = sum(suspended.values())
-        stats_during = nccl_suspended(controller, plan.entries)
+        stats_during = nccl_suspended(plan.entries)
         kept_exact = {e.name: exact(e.group, cycle + 2.0) for e in kept}
         dist.barrier(group=sync)
         engine.suspend()
         controller.policy.wait()  # and so does its end
         free2 = free_bytes()
         via_end, end = controller.reports[-1]
-        stats_after = nccl_suspended(controller, plan.entries)
+        stats_after = nccl_suspended(plan.entries)
         all_exact = all(exact(e.group, cycle + 3.0) for e in plan.entries)
         c = {
             "via": [via_begin, via_end], "mode": plan.mode, "kept": [e.name for e in kept],
@@ -205,8 +222,9 @@ def worker(config: str, out_dir: str) -> bool:
     ok = all(checks.values()) and all(all(c["checks"].values()) for c in cycles)
     result = {"config": config, "rank": rank, "ok": ok, "via_launcher": via_launcher,
               "checks": checks, "cycles": cycles, "device_total": total,
-              "counters": controller.policy._counters.as_dict(),
-              "nccl_backend": controller.policy._backend_description, "torch": torch.__version__,
+              "counters": controller.policy.metrics(last=False),
+              "nccl_backend": backend_record(controller),
+              "torch": torch.__version__,
               **cpu_notes()}
     with open(os.path.join(out_dir, f"megatron_gpu.{config}.rank{rank}.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)

@@ -89,7 +89,7 @@ def rank_main(out_dir: str) -> None:
             if "tp" in keep else None
         if name == "guard_resume":  # a collective on a suspended dp group, mid-phase
             row["guard_resume_exact"] = exact_allreduce(groups["dp"], 3.0, numel=1 << 16)
-            row["auto_resumes"] = policy._counters.auto_resumes
+            row["auto_resumes"] = policy.metrics(last=False)["amem/total/auto_resumes"]
         dist.barrier(group=sync)
         end = policy.end("rollout")
         policy.wait()

@@ -338,9 +338,15 @@ def run(args, name: str, callback_options=None) -> dict:
             out["gpu_reserved_gain"] = same_gpu_sums(
                 [s["reserved_gain"] for s in samples] if len(samples) == len(begins)
                 else [0] * len(begins))
+        inert = bool(callback.policy.metrics()["amem/inert"])
+        lib = nccl_library()
         out.update(begins=begins, independent=samples, kept=callback.kept,
-                   backend=callback.policy._backend_description, inert=callback.policy._inert,
-                   counters=callback.policy._counters.as_dict(),
+                   # the backend as the last begin report names it (and, when the ranks
+                   # found it unusable, why nothing was done), and the NCCL it calls
+                   backend=BEGINS[-1].backend if BEGINS else None, inert=inert,
+                   why_inert=BEGINS[-1].skipped if inert and BEGINS else None,
+                   nccl_library=f"NCCL {lib.version_str} from {lib.path}" if lib else None,
+                   counters=callback.policy.metrics(last=False),
                    end_seconds=callback.last_end.total_seconds if callback.last_end else None,
                    logged=[h.get("amem/total/begins") for h in logs])
         callback.detach()

@@ -615,8 +615,17 @@ def amem_record(callback, rec: Recorder) -> Optional[dict]:
                  "reason": g.reason, "suspendable_bytes": g.suspendable_bytes,
                  "seconds": g.seconds} for g in report.groups]
 
+    from tests.gpu.common import nccl_library
+
     headroom = callback.session.headroom
-    return {"backend": callback.policy._backend_description, "inert": callback.policy._inert,
+    inert = bool(callback.policy.metrics()["amem/inert"])
+    begins = rec.reports["begin"]
+    lib = nccl_library()
+    # the backend as the last begin report names it (and, when the ranks found it
+    # unusable, why nothing was done), and the NCCL it calls
+    return {"backend": begins[-1].backend if begins else None, "inert": inert,
+            "why_inert": begins[-1].skipped if inert and begins else None,
+            "nccl_library": f"NCCL {lib.version_str} from {lib.path}" if lib else None,
             "kept": dict(callback.kept),
             "begins": [{"nccl_bytes": r.nccl_bytes, "device_freed_bytes": r.device_freed_bytes,
                         "device_shared_by": r.device_shared_by, "wall_s": r.wall_seconds,
@@ -630,7 +639,7 @@ def amem_record(callback, rec: Recorder) -> Optional[dict]:
                 "total_bytes": headroom.total_bytes, "margin_bytes": headroom.margin_bytes,
                 "line": headroom.line()},
             "waited": dict(callback.session.waited),
-            "counters": callback.policy._counters.as_dict()}
+            "counters": callback.policy.metrics(last=False)}
 
 
 def versions() -> dict:

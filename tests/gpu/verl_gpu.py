@@ -513,12 +513,22 @@ def run(args, store: Store) -> dict:
     session = ADAPTER.current_session()
     out["amem_session"] = session is not None
     if session is not None:
+        from tests.gpu.common import nccl_library
+
         policy = session.policy
-        out["amem_counters"] = policy._counters.as_dict()
-        out["amem_backend"] = {"name": getattr(policy._backend, "name", None),
-                               "description": policy._backend_description,
-                               "inert": policy._inert}
-        out["amem_learned"] = policy._learned.by_phase()
+        totals = policy.metrics(last=False)
+        out["amem_counters"] = totals
+        inert = bool(totals["amem/inert"])
+        # the backend as the last begin report names it; when every begin did nothing
+        # (inert: none is in the session's history), wait() gives the last report, which
+        # says why; and the NCCL the backend calls
+        report = session.last_begin or policy.wait()
+        lib = nccl_library()
+        out["amem_backend"] = {
+            "name": getattr(report, "backend", None), "inert": inert,
+            "why_inert": report.skipped if inert and report is not None else None,
+            "nccl": f"NCCL {lib.version_str} from {lib.path}" if lib else None}
+        out["amem_learned"] = {k: v for k, v in totals.items() if k.startswith("amem/learned/")}
     out["weights_per_step"] = [s.get("weights") for s in out["steps"]]
     store.barrier("steps done")
     if rank == 0:
