@@ -53,17 +53,13 @@ def installed() -> bool:
 
 
 def import_adapter():
-    """The adapter; without a pip install, the repo's adapters/ folder is mapped
-    to amem_callbacks.adapters as pyproject.toml does."""
+    """The adapter, from the installed package (a bare tree stops with the install
+    command: common.require_installed_package)."""
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
-    if not installed():
-        spec = importlib.util.spec_from_file_location(
-            "amem_callbacks.adapters", os.path.join(ROOT, "adapters", "__init__.py"),
-            submodule_search_locations=[os.path.join(ROOT, "adapters")])
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
+    from tests.gpu.common import require_installed_package
+
+    require_installed_package()
     import amem_callbacks.adapters.megatron as adapter
 
     return adapter

@@ -86,15 +86,13 @@ sys.path.insert(0, ROOT)
 
 
 def import_callback():
-    try:
-        from amem_callbacks.adapters.trl import AMemCallback
-    except ImportError:  # not pip-installed: the repo's adapters/ folder is that package
-        import adapters
-        import amem_callbacks
+    """AMemCallback from the installed package (a bare tree stops with the install
+    command: common.require_installed_package)."""
+    from tests.gpu.common import require_installed_package
 
-        amem_callbacks.adapters = adapters
-        sys.modules["amem_callbacks.adapters"] = adapters
-        from amem_callbacks.adapters.trl import AMemCallback
+    require_installed_package()
+    from amem_callbacks.adapters.trl import AMemCallback
+
     return AMemCallback
 
 

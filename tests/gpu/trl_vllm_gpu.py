@@ -410,17 +410,13 @@ def take_turns(store, rank: int, record: dict, snapshot=None, profile=None,
 
 
 def import_callback():
-    """AMemCallback, also from a tree that is not pip-installed (the GPU machine's
-    copy): there the repository's adapters/ folder is amem_callbacks.adapters."""
-    try:
-        from amem_callbacks.adapters.trl import AMemCallback
-    except ImportError:
-        import adapters
-        import amem_callbacks
+    """AMemCallback from the installed package (a bare tree stops with the install
+    command: common.require_installed_package)."""
+    from tests.gpu.common import require_installed_package
 
-        amem_callbacks.adapters = adapters
-        sys.modules["amem_callbacks.adapters"] = adapters
-        from amem_callbacks.adapters.trl import AMemCallback
+    require_installed_package()
+    from amem_callbacks.adapters.trl import AMemCallback
+
     return AMemCallback
 
 

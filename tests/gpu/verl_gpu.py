@@ -114,19 +114,14 @@ RESULT_KEY = "verl_gpu/result/"
 
 
 def import_adapter():
-    """amem_callbacks.adapters.verl, installed or from the repo's adapters/ folder.
+    """amem_callbacks.adapters.verl from the installed package (a bare tree stops with
+    the install command). Imported before verl: it only registers import hooks (an
+    installed package does the same through its ``verl.plugins`` entry point)."""
+    from tests.gpu.common import require_installed_package
 
-    Imported before verl: it only registers import hooks (an installed package
-    does the same through its ``verl.plugins`` entry point)."""
-    try:
-        import amem_callbacks.adapters.verl as adapter
-    except ImportError:  # not pip-installed and no symlink: the repo's adapters/ is that package
-        import adapters
-        import amem_callbacks
+    require_installed_package()
+    import amem_callbacks.adapters.verl as adapter
 
-        amem_callbacks.adapters = adapters
-        sys.modules["amem_callbacks.adapters"] = adapters
-        import amem_callbacks.adapters.verl as adapter
     return adapter
 
 
