@@ -38,6 +38,14 @@ def test_a_result_records_its_commit_from_git_or_from_an_export(tmp_path, monkey
     assert run_commit(str(export)) == "abc123"
     monkeypatch.setenv("AMEM_COMMIT", "def456")
     assert run_commit(str(export)) == "def456"
+    monkeypatch.delenv("AMEM_COMMIT")
+    outer = tmp_path / "outer"  # an export inside another checkout: not that checkout's HEAD
+    (outer / "export").mkdir(parents=True)
+    (outer / "export" / "COMMIT").write_text("abc123\n")
+    subprocess.run(["git", "init", "-q", str(outer)], check=True)
+    subprocess.run(["git", "-C", str(outer), "-c", "user.email=a@b", "-c", "user.name=a",
+                    "commit", "-q", "--allow-empty", "-m", "x"], check=True)
+    assert run_commit(str(outer / "export")) == "abc123"
 
 
 def test_a_bare_tree_stops_the_gpu_scripts_with_the_install_command(tmp_path):

@@ -149,14 +149,14 @@ def stand_in_backend():
 
 
 def nccl_library():
-    """The NCCL torch loaded (None if none); on CPU, where a CPU-only torch loads
-    none, the fake NCCL's library."""
+    """The NCCL torch loaded (None if none); in CPU mode the fake NCCL's library,
+    which is the one the policy runs on there (a CUDA torch on a GPU host run in
+    CPU mode still loads its own NCCL, measured: that is not the one in use)."""
+    if ON_CPU:
+        return fake_nccl().library
     from amem_callbacks.nccl_library import NcclLibrary
 
-    lib = NcclLibrary.loaded()
-    if lib is None and ON_CPU:
-        lib = fake_nccl().library
-    return lib
+    return NcclLibrary.loaded()
 
 
 def comm_handle(group) -> tuple:
@@ -344,11 +344,13 @@ def run_commit(root: str = None):
     import subprocess
 
     root = root or os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    try:
-        head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True,
-                              text=True, timeout=10)
-        if head.returncode == 0 and head.stdout.strip():
-            return head.stdout.strip()
+    try:  # only a checkout whose top is this tree: an export inside another checkout
+        top = subprocess.run(["git", "-C", root, "rev-parse", "--show-toplevel", "HEAD"],
+                             capture_output=True, text=True, timeout=10)  # (measured: a stale
+        lines = top.stdout.split()  # commit of the copy around it) says nothing of this one
+        if top.returncode == 0 and len(lines) == 2 and \
+                os.path.realpath(lines[0]) == os.path.realpath(root):
+            return lines[1]
     except (OSError, subprocess.SubprocessError):
         pass
     if os.environ.get("AMEM_COMMIT"):
