@@ -240,7 +240,7 @@ class OffloadOptions:
             "strict" (such a call raises), or "off".
         overlap: ``begin``/``end`` return at once and the transition runs in
             the background; a call on a group waits for it (the guard), and
-            :meth:`OffloadPolicy.wait_for_free` waits for memory.
+            :meth:`RolloutSession.wait_for_memory` waits for memory.
         workers: threads that suspend/resume the groups of one transition
             concurrently; 1 runs them one after another.
         resume_first: names of groups the program uses first after the
