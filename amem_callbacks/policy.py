@@ -14,6 +14,7 @@ import atexit
 import collections
 import contextlib
 import logging
+import os
 import threading
 import time
 import weakref
@@ -412,8 +413,6 @@ class OffloadPolicy:
         """(log level, why) without torch.distributed: advice that fits how the
         job was started. A single process (TRL or accelerate on one device, a
         notebook) has no NCCL communicator at all: nothing to fix there."""
-        import os
-
         if self._setup is not None:
             return logging.WARNING, (
                 "torch.distributed was shut down (destroy_process_group) after this policy's "
@@ -431,7 +430,7 @@ class OffloadPolicy:
     def _set_up(self) -> None:
         """First begin on this rank (or the first after the default group was
         replaced): pick a backend and make all ranks agree on it."""
-        from torch.distributed import distributed_c10d as c10d
+        from torch.distributed import distributed_c10d as c10d  # light import: torch at use
 
         if self._setup is not None and self._setup.default_group is c10d._get_default_group():
             return
@@ -450,7 +449,7 @@ class OffloadPolicy:
         device = self.options.device
         if device is None:
             return
-        import torch
+        import torch  # light import: torch at use
 
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if device >= count:

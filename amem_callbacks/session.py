@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+from . import headroom
 from .options import MAX_BYTES, check_number, check_wait
 from .report import TransitionReport
 from .states import Kind, Status
@@ -237,7 +238,7 @@ class RolloutSession(SessionViews):
         if agreement is None:
             return {}, []
         if ranks is None:
-            import torch.distributed as dist
+            import torch.distributed as dist  # light import: torch at use
 
             ranks = range(dist.get_world_size())
         return agreement.share(name, value, ranks)
@@ -257,8 +258,6 @@ class RolloutSession(SessionViews):
         memory (vLLM sizes its KV cache at start-up); ``metrics()`` carries it too."""
         if self._headroom is not None or report is None or report.skipped:
             return
-        from . import headroom
-
         self._headroom = headroom.tell(setting, current, report, self._policy.options.device)
 
     def _wait_for_bytes(self, nbytes: Optional[int], timeout_s: Optional[float]) -> int:

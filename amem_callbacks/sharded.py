@@ -114,9 +114,9 @@ def guard_sees_all_collectives(model) -> bool:
     calls the C++ process group directly. Any other or unknown wrapping counts
     as not seen, to be safe.
     """
-    from torch.nn.parallel import DistributedDataParallel
+    from torch.nn.parallel import DistributedDataParallel  # light import: torch at use
 
-    try:
+    try:  # FSDP2's class, absent from older torch
         from torch.distributed.fsdp import FSDPModule
     except ImportError:
         return False
