@@ -4,7 +4,7 @@ hooked ``DynamicInferenceEngine`` class of megatron-core 0.16.1.
 Command (repo root, 2 GPUs, NCCL >= 2.29.7 loaded, e.g. LD_PRELOAD of
 ../shared/tools/device-nccl's output; carry the megatron-core wheel):
     pip install --no-deps megatron_core-0.16.1-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl
-    pip install --no-deps --no-build-isolation -e .   # optional: then the launcher is used
+    pip install --no-deps --no-build-isolation -e .   # the GPU scripts run on the installed package
     python tests/gpu/megatron_gpu.py OUT_DIR
 
 Three configurations, each under its own ``torch.distributed.run``:
@@ -15,9 +15,9 @@ For each, 3 rollouts: ``engine.resume()`` must free >= 99 % of the NCCL
 suspendable bytes of the groups it suspended (cudaMemGetInfo), NCCL's stats
 must say suspended for exactly those, the kept groups must run exact
 all-reduces meanwhile, and after ``engine.suspend()`` every group is active
-again with exact results. With the package installed, workers run through
+again with exact results. Workers run through the package's launcher,
 ``python -m amem_callbacks.adapters.megatron ... --rl-amem-offload-during-rollout
---rl-amem-backend nccl``; otherwise they install the hooks themselves.
+--rl-amem-backend nccl`` (a bare tree stops with the install command).
 Writes OUT_DIR/megatron_gpu.json (and per-rank files); exit 0 when every check passes.
 One configuration alone:
     python -m torch.distributed.run --nproc-per-node 2 tests/gpu/megatron_gpu.py --worker tp2 OUT_DIR
@@ -32,7 +32,6 @@ Ranks synchronise over a gloo group while NCCL groups are suspended.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import subprocess
@@ -43,13 +42,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 CONFIGS = ("dp2", "tp2", "separate")
 FLAGS = ["--rl-amem-offload-during-rollout", "--rl-amem-backend", "nccl"]
 MiB = 2**20
-
-
-def installed() -> bool:
-    try:
-        return importlib.util.find_spec("amem_callbacks.adapters.megatron") is not None
-    except ModuleNotFoundError:
-        return False
 
 
 def import_adapter():
@@ -249,11 +241,13 @@ def main() -> int:
     out_dir = args[0] if args else os.environ.get("OUT", ".")
     os.makedirs(out_dir, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    summary = {"launcher": installed(), "configs": {}}
+    from tests.gpu.common import require_installed_package
+
+    require_installed_package()  # the package's launcher runs every configuration
+    summary = {"launcher": True, "configs": {}}
     for config in configs:
-        target = [os.path.abspath(__file__), "--worker", config, out_dir]
-        if summary["launcher"]:
-            target = ["-m", "amem_callbacks.adapters.megatron", *target, *FLAGS]
+        target = ["-m", "amem_callbacks.adapters.megatron", os.path.abspath(__file__),
+                  "--worker", config, out_dir, *FLAGS]
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                                "2", *target], cwd=ROOT, env=env, timeout=600)
         ranks = []
