@@ -581,7 +581,7 @@ PATH = re.compile(r"(?<![\w./$-])((?:tests|results|docs|experiments|examples|ada
 def usage_texts():
     """Each driver's module docstring (or a shell script's comments), and
     results/README.md: where the commands people copy are written."""
-    for path in sorted(glob.glob(os.path.join(ROOT, "tests", "gpu", "*"))):
+    for path in sorted(glob.glob(os.path.join(ROOT, "tests", "gpu", "*.[ps][yh]"))):
         text = open(path).read()
         if path.endswith(".py"):
             yield path, ast.get_docstring(ast.parse(text)) or ""
