@@ -215,17 +215,6 @@ def free_bytes() -> int:
     return torch.cuda.mem_get_info()[0]
 
 
-def synced_free_bytes(sync) -> int:
-    """Free device memory once every rank got here (``sync``: a gloo group)."""
-    import torch.distributed as dist
-
-    import torch
-
-    torch.cuda.synchronize()
-    dist.barrier(group=sync)
-    return torch.cuda.mem_get_info()[0]
-
-
 def same_gpu_total(sync, value: int) -> int:
     """Sum of ``value`` over the ranks on this rank's GPU (one GPU: all ranks)."""
     import torch.distributed as dist
