@@ -245,7 +245,7 @@ def runs(request, tmp_path_factory, fake_nccl_dir):
 CORE_JUDGED = {"at_least_4_groups_suspended", "ctypes_path", "nccl_stats_say_suspended",
                "kept_group_works_during_phase", "guard_auto_resume_exact", "guard_counted",
                "exact_after_end", "exact_after_overlapped_cycle", "exact_every_cycle"}
-CORE_NOT_JUDGED = {"freed_ge_99pct_of_suspendable", "caller_progress_ge_0.8",
+CORE_NOT_JUDGED = {"freed_ge_99pct_of_suspendable", "caller_progress_ge_0.5",
                    "device_memory_flat_1pct", "host_rss_flat_1pct"}
 
 
@@ -338,10 +338,10 @@ def test_reliability_gpu_cases_hold_on_the_fake_nccl(runs, name):
 
 
 def assert_provenance(result: dict, script: str, *words: str) -> None:
-    """common.provenance: the commit (a clone's HEAD) and the command as run."""
-    head = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True,
-                          text=True).stdout.strip()
-    assert result["commit"] == (head or None), result["commit"]
+    """common.provenance: the commit and the command as run. The commit is what
+    run_commit says here (a clone's HEAD, or an export's AMEM_COMMIT or COMMIT file:
+    test_gpu_suite_report tests each); a GPU host runs this suite on an export."""
+    assert result["commit"] == common.run_commit(ROOT), result["commit"]
     assert script in result["command"] and all(w in result["command"] for w in words)
     assert result["env"][common.CPU_ENV] == "1"
 

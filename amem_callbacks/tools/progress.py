@@ -1,7 +1,7 @@
 """How fast the caller's thread runs Python while something else is in flight.
 
 The measure behind "no call into NCCL may hold the GIL": a pure-Python loop
-counts in short slices before a transition and while it runs; the ratio of
+counts in short slices around a transition and while it runs; the ratio of
 the median rates is near 1 when the transition's thread releases the GIL and
 falls towards 0 when it holds it (torch's own suspend(): 0.03-0.07 measured).
 """
@@ -17,10 +17,13 @@ def rate_slices(stop: Callable[[], bool], slice_s: float = 0.05) -> list:
     """Loop iterations per second in consecutive slices, until ``stop()``."""
     rates = []
     while not stop():
-        n, end = 0, time.perf_counter() + slice_s
-        while time.perf_counter() < end:
+        n, begun = 0, time.perf_counter()
+        end = begun + slice_s
+        while (now := time.perf_counter()) < end:
             n += 1
-        rates.append(n / slice_s)
+        # over the time the slice really took: a thread that held the GIL past
+        # the slice's end stretched it, and that time ran nothing here
+        rates.append(n / (now - begun))
     return rates
 
 
@@ -28,11 +31,18 @@ def progress_during(start: Callable, running: Callable[[object], bool],
                     baseline_s: float = 0.5) -> dict:
     """``start()`` launches something in the background and returns a handle;
     ``running(handle)`` says whether it still runs. Returns the ratio of this
-    thread's Python rate while it ran to its rate just before."""
-    deadline = time.perf_counter() + baseline_s
-    normal = rate_slices(lambda: time.perf_counter() > deadline)
+    thread's Python rate while it ran to its rate around it: the baseline is
+    read just before and just after, so a load that comes or goes on a shared
+    host (another job's threads) moves both sides of the ratio, not one."""
+    before = _slices_for(baseline_s / 2)
     handle = start()
     during = rate_slices(lambda: not running(handle))
-    ratio: Optional[float] = (statistics.median(during) / statistics.median(normal)
+    after = _slices_for(baseline_s / 2)
+    ratio: Optional[float] = (statistics.median(during) / statistics.median(before + after)
                               if during else None)
     return {"ratio": ratio, "slices": len(during), "handle": handle}
+
+
+def _slices_for(seconds: float) -> list:
+    deadline = time.perf_counter() + seconds
+    return rate_slices(lambda: time.perf_counter() > deadline)

@@ -106,8 +106,12 @@ def main() -> None:
         ratios = sorted(r["ratio"] for r in rows if r["ratio"] is not None)
         progress[kind] = {"ratio": ratios[len(ratios) // 2] if ratios else None, "runs": rows}
     result["caller_progress"] = progress
-    checks["caller_progress_ge_0.8"] = all(
-        p["ratio"] is not None and p["ratio"] >= 0.8 for p in progress.values())
+    # Held or released, not how fast: a call that holds the GIL leaves the caller
+    # 0.03-0.07 of its rate (torch's suspend(), measured); released, alone on the
+    # GPU host, the medians were 0.91-1.06, and beside a soak on the same GPU and
+    # CPUs one fell under 0.8 (2026-12-02). Half the rate parts the two by far.
+    checks["caller_progress_ge_0.5"] = all(
+        p["ratio"] is not None and p["ratio"] >= 0.5 for p in progress.values())
     checks["exact_after_overlapped_cycle"] = all(exact_allreduce(g, 9.0) for g in groups.values())
 
     # many cycles: memory after each end and during each phase must stay flat
@@ -141,7 +145,7 @@ def main() -> None:
     checks["device_memory_flat_1pct"] = spread(after_end) <= 0.01 * total and \
         spread(during) <= 0.01 * total
     checks["host_rss_flat_1pct"] = spread(rss_after) <= 0.01 * rss_after[warm]
-    set_aside_on_cpu(checks, "freed_ge_99pct_of_suspendable", "caller_progress_ge_0.8",
+    set_aside_on_cpu(checks, "freed_ge_99pct_of_suspendable", "caller_progress_ge_0.5",
                      "device_memory_flat_1pct", "host_rss_flat_1pct")
     result.update(cpu_notes())
     result["counters"] = policy.metrics(last=False)
