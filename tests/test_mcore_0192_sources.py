@@ -39,8 +39,9 @@ def wheel(tmp_path_factory):
          "-d", str(out)], capture_output=True, text=True, timeout=180)
     found = sorted(out.glob("megatron_core-*.whl"))
     if run.returncode != 0 or not found:
-        pytest.skip(f"could not download megatron-core {VERSION} from the package index: "
-                    f"{run.stderr.strip()[-300:]}")
+        # pip's last line says why (no index reachable, no such version), in one line
+        why = (run.stderr.strip().splitlines() or ["no wheel came down"])[-1]
+        pytest.skip(f"could not download megatron-core {VERSION} from the package index: {why}")
     return zipfile.ZipFile(found[0])
 
 
