@@ -299,6 +299,9 @@ def test_multinode_gpu_runs_its_four_cases_over_simulated_hosts(runs):
         groups = rank["cases"]["overlap_off"]["groups"]
         assert all(g["transport"] == "intra-node" if name == "dp" else
                    g["transport"].startswith("network") for name, g in groups.items()), groups
+    # the driver's own command (it starts the ranks), not a rank's
+    assert_provenance(summary, "tests/gpu/multinode_gpu.py", "--ranks 4")
+    assert "--rank " not in summary["command"]
 
 
 # --- reliability_gpu.py -----------------------------------------------------------
@@ -342,7 +345,8 @@ def assert_provenance(result: dict, script: str, *words: str) -> None:
     run_commit says here (a clone's HEAD, or an export's AMEM_COMMIT or COMMIT file:
     test_gpu_suite_report tests each); a GPU host runs this suite on an export."""
     assert result["commit"] == common.run_commit(ROOT), result["commit"]
-    assert script in result["command"] and all(w in result["command"] for w in words)
+    assert script in result["command"] and all(w in result["command"] for w in words), \
+        (result["command"], script, words)
     assert result["env"][common.CPU_ENV] == "1"
 
 
@@ -385,6 +389,7 @@ def test_trl_gpu_suspends_world_at_every_generation_on_the_fake_nccl(runs):
             assert rank["runs"][name]["backend"] == "nccl"
             assert "libnccl-fake" in rank["runs"][name]["nccl_library"]
             assert [b["suspended"] for b in rank["runs"][name]["begins"]] == [["world"]] * 2
+    assert_provenance(summary, "tests/gpu/trl_gpu.py", "--steps 2", "--completion-length 8")
 
 
 # --- verl_gpu.py ------------------------------------------------------------------
@@ -402,6 +407,29 @@ def test_verl_gpu_worker_suspends_and_resumes_on_the_fake_nccl(runs):
         assert rank["amem_backend"]["name"] == "nccl"
         assert "libnccl-fake" in rank["amem_backend"]["nccl"]
         assert "world" in rank["steps"][0]["amem_begin"]["suspended"]
+    assert_provenance(summary, "tests/gpu/verl_gpu.py", "verl.json --steps 2")
+
+
+@needs("verl")
+def test_verl_gpu_summary_records_the_wrapper_command_and_each_run(runs, tmp_path):
+    """verl_gpu.sh's last step (its three runs are verl_gpu.py as above): the
+    summary says the wrapper's command, as the wrapper names it, and each run's."""
+    run = runs["verl"]
+    run.passed()
+    assert f'{common.RUN_COMMAND_ENV}="${{COMMAND% }}" python3 tests/gpu/verl_gpu.py summary' in \
+        open(os.path.join(ROOT, "tests", "gpu", "verl_gpu.sh")).read()
+    one, out = os.path.join(run.out, "verl.json"), str(tmp_path / "summary.json")
+    wrapper = "tests/gpu/verl_gpu.sh /tmp/verl-out --steps 2"
+    proc = subprocess.run([sys.executable, gpu_script("verl_gpu.py"), "summary", out, one, one,
+                           one], cwd=ROOT, env=driver_env(**{common.RUN_COMMAND_ENV: wrapper}),
+                          capture_output=True, text=True, timeout=LIMIT_S)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with open(out) as f:
+        summary = json.load(f)
+    assert summary["ok"] and summary["command"] == wrapper
+    assert_provenance(summary, "tests/gpu/verl_gpu.sh")
+    assert {n: r["command"] for n, r in summary["runs"].items()} == dict.fromkeys(
+        ("baseline", "amem", "control"), run.json("verl.json")["command"])
 
 
 # --- megatron_gpu.py ---------------------------------------------------------------
@@ -411,6 +439,8 @@ def test_megatron_gpu_hooks_suspend_the_training_groups_through_the_launcher(run
     run.passed()
     summary = run.json("megatron_gpu.json")
     assert summary["ok"] and summary["launcher"], summary
+    # the driver's own command; each rank's is the torchrun line the driver ran
+    assert_provenance(summary, "tests/gpu/megatron_gpu.py", "--configs separate")
     assert list(summary["configs"]) == ["separate"] and not summary["configs"]["separate"][
         "failed_checks"]
     for rank in (0, 1):
@@ -418,6 +448,9 @@ def test_megatron_gpu_hooks_suspend_the_training_groups_through_the_launcher(run
         assert result["via_launcher"] and result["ok"]
         assert set(result["not_judged_on_cpu"]) == {"freed_ge_99pct_of_suspendable",
                                                     "memory_back_after_end"}
+        assert_provenance(result, "tests/gpu/megatron_gpu.py",
+                          "-m torch.distributed.run --nproc-per-node 2 -m "
+                          "amem_callbacks.adapters.megatron", "--worker separate")
         for cycle in result["cycles"]:
             assert cycle["checks"]["nccl_says_suspended_exactly_those"]
             assert cycle["checks"]["every_training_group_idle"] and "world" in cycle["suspended"]

@@ -296,10 +296,15 @@ def test_the_orchestrator_runs_the_pair_in_order_and_writes_the_summary(cpu_runs
     # on CPU the package knows no GPU total, so there is no raised share to try
     assert summary["shares"] == {"default": 0.25, "raised_headroom": None, "raised_per_rank": None}
     assert summary["raised_share_fails_without"] is None
+    # common.provenance: the orchestrator's command (the one typed), the commit
+    assert summary["commit"] == common.run_commit(ROOT)
+    assert summary["command"].split()[1:4] == [DRIVER, "pairs", "--state"]
+    assert summary["env"][common.CPU_ENV] == "1"
     for name, run in runs.items():
         assert re.search(r"torch\.distributed\.run --nproc-per-node 2 --master-port \d+ "
                          + re.escape(DRIVER) + r" run \S+ --share 0\.25 --"
                          + ("amem" if run["amem"] else "no-amem"), run["command"])
+        assert run["commit"] == run["git_head"] == common.run_commit(ROOT)
         assert run["kv_cache_tokens"] == (int(0.25 * 80 * GIB) - 2 * GIB) // 4096
         row = summary["variants"]["default"][name]
         assert row["vs_default_without"]["kv_cache_tokens"] == 1.0
@@ -343,6 +348,12 @@ def test_each_rank_records_the_package_vllm_and_the_run(cpu_runs):
         assert len(got["step_seconds"]) == 4 and len(got["loss"]) == 4
         assert got["mode"].startswith("cpu") and got["versions"]["trl"] == "1.16.0"
         assert re.fullmatch(r"[0-9a-f]{40}", got["git_head"])
+        assert got["commit"] == got["git_head"] == common.run_commit(ROOT)
+        # under torchrun: torchrun's own line, as the orchestrator ran it
+        assert re.fullmatch(r"python[\d.]* -m torch\.distributed\.run --nproc-per-node 2 "
+                            r"--master-port \d+ " + re.escape(DRIVER) + r" run \S+ --share "
+                            r"0\.25 --amem .*", got["command"]), got["command"]
+        assert got["env"][common.CPU_ENV] == "1"
         with open(os.path.join(ROOT, DRIVER), "rb") as f:
             assert got["code_sha256"][DRIVER] == hashlib.sha256(f.read()).hexdigest()
         assert got["args"]["share"] == 0.25 and got["args"]["amem"] is True
@@ -372,6 +383,8 @@ def test_a_share_the_device_cannot_hold_fails_at_start_up_with_vllms_line(cpu_ru
         assert failed["stage"].startswith("start-up")
         assert failed["oom"]["kind"] == "start-up: free memory below the share"
         assert "(0.6, 48.0 GiB)" in failed["oom"]["line"]
+    with open(f"{prefix}.rank0.json") as f:  # started without torchrun: its own command
+        assert json.load(f)["command"].split()[1:3] == [DRIVER, "run"]
     run = drv.merge_run(prefix, meta={"ranks": 2, "rc": 1})
     assert not run["ok"] and run["failed"]["oom"]["kind"] == "start-up: free memory below the share"
     assert set(run["failed"]["stages"]) == {0, 1}

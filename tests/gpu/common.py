@@ -398,21 +398,50 @@ def require_installed_package() -> None:
 
 
 #: the environment that decides what a GPU run measured, kept beside its command
+#: (PYTHONPATH: which bundle's wheels, tests/gpu/bundle_*.sh, the code came from)
 PROVENANCE_ENV = ("LD_PRELOAD", "NCCL_MULTI_RANK_GPU_ENABLE", "NCCL_BUFFSIZE",
-                  "NCCL_MAX_NCHANNELS", "AMEM_GPU_QUICK", "CUDA_VISIBLE_DEVICES",
-                  "TORCH_DIST_USE_NCCL2", CPU_ENV)
+                  "NCCL_MAX_NCHANNELS", "NCCL_NVLS_ENABLE", "AMEM_GPU_QUICK",
+                  "CUDA_VISIBLE_DEVICES", "TORCH_DIST_USE_NCCL2", "PYTHONPATH",
+                  "PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK", CPU_ENV)
+#: the command line of a wrapper that ran this script for the user (tests/gpu/verl_gpu.sh)
+RUN_COMMAND_ENV = "AMEM_RUN_COMMAND"
+
+
+def launcher_command(script: str):
+    """The torchrun line this process is a rank of, as typed: torchrun's agent starts
+    each rank itself, so under it (TORCHELASTIC_RUN_ID set) the parent's /proc
+    cmdline is the command, with its own flags. None elsewhere, or where that
+    line does not name ``script`` (a rank started by something else)."""
+    import shlex
+
+    if not os.environ.get("TORCHELASTIC_RUN_ID"):
+        return None
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            argv = [a.decode(errors="replace") for a in f.read().split(b"\0")[:-1]]
+    except OSError:
+        return None
+    if not any(a.endswith(script) for a in argv[1:]):
+        return None
+    if len(argv) > 1 and os.path.basename(argv[1]) == "torchrun":  # the console script
+        argv = argv[1:]
+    return " ".join([os.path.basename(argv[0]), *map(shlex.quote, argv[1:])])
 
 
 def provenance(script: str, argv=None) -> dict:
-    """What every result records: the commit, the exact command (this interpreter's
-    name, the script as given, its arguments) and the environment it depends on."""
+    """What every result records: the commit, the exact command and the environment
+    it depends on. The command is the one the user typed: torchrun's for a rank
+    under it (:func:`launcher_command`), a wrapper's (``AMEM_RUN_COMMAND``, set by it
+    for this process alone), else this interpreter's name, the script as given and
+    its arguments. A driver that starts its ranks itself records this in the
+    parent, where that command ran."""
     import shlex
     import sys
 
     args = sys.argv[1:] if argv is None else list(argv)
-    return {"commit": run_commit(),
-            "command": " ".join([os.path.basename(sys.executable), script,
-                                 *map(shlex.quote, map(str, args))]),
+    command = launcher_command(script) or os.environ.get(RUN_COMMAND_ENV) or " ".join(
+        [os.path.basename(sys.executable), script, *map(shlex.quote, map(str, args))])
+    return {"commit": run_commit(), "command": command,
             "env": {k: os.environ[k] for k in PROVENANCE_ENV if k in os.environ}}
 
 

@@ -128,7 +128,8 @@ def worker(config: str, out_dir: str) -> bool:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from tests.gpu.common import ON_CPU, bind_device, cpu_notes, exact_allreduce as exact, \
-        free_bytes, gloo_group, process_group_backend, set_aside_on_cpu, stand_in_backend
+        free_bytes, gloo_group, process_group_backend, provenance, set_aside_on_cpu, \
+        stand_in_backend
 
     bind_device()  # LOCAL_RANK % GPUs: several ranks may share one
     dist.init_process_group(process_group_backend("nccl"))
@@ -213,7 +214,7 @@ def worker(config: str, out_dir: str) -> bool:
               "counters": controller.policy.metrics(last=False),
               "nccl_backend": backend_record(controller),
               "torch": torch.__version__,
-              **cpu_notes()}
+              **cpu_notes(), **provenance("tests/gpu/megatron_gpu.py")}
     with open(os.path.join(out_dir, f"megatron_gpu.{config}.rank{rank}.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
     dist.barrier(group=sync)
@@ -241,10 +242,12 @@ def main() -> int:
     out_dir = args[0] if args else os.environ.get("OUT", ".")
     os.makedirs(out_dir, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    from tests.gpu.common import require_installed_package
+    if ROOT not in sys.path:  # run as a script: tests/gpu is on the path, not the repo
+        sys.path.insert(0, ROOT)
+    from tests.gpu.common import provenance, require_installed_package
 
     require_installed_package()  # the package's launcher runs every configuration
-    summary = {"launcher": True, "configs": {}}
+    summary = {"launcher": True, "configs": {}, **provenance("tests/gpu/megatron_gpu.py")}
     for config in configs:
         target = ["-m", "amem_callbacks.adapters.megatron", os.path.abspath(__file__),
                   "--worker", config, out_dir, *FLAGS]

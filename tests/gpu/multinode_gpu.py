@@ -134,6 +134,10 @@ def check(ranks: list, world: int) -> dict:
 
 
 def driver(out_path: str, world: int, per_node: int) -> int:
+    if ROOT not in sys.path:  # run as a script: tests/gpu is on the path, not the repo
+        sys.path.insert(0, ROOT)
+    from tests.gpu.common import provenance
+
     out_dir = tempfile.mkdtemp(prefix="amem-multinode-")
     from amem_callbacks.tools.launch import free_port
     port = free_port()
@@ -165,9 +169,7 @@ def driver(out_path: str, world: int, per_node: int) -> int:
     checks = check(ranks, world) if not hung else {"no_hang": False}
     checks["no_hang"] = not hung
     summary = {
-        "command": f"python tests/gpu/multinode_gpu.py OUT.json --ranks {world} "
-                   f"--ranks-per-node {per_node}",
-        "env": {k: os.environ.get(k) for k in ("LD_PRELOAD", "PYTHONPATH")},
+        **provenance("tests/gpu/multinode_gpu.py"),  # the driver's command: it starts the ranks
         "nodes": -(-world // per_node), "ranks_per_node": per_node, "world": world,
         "layout": layout(world), "ok": all(checks.values()), "checks": checks,
         "exit_codes": [p.returncode for p in procs], "ranks": ranks,

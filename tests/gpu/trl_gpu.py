@@ -100,7 +100,7 @@ AMemCallback = import_callback()
 from amem_callbacks import OffloadPolicy, name_group  # noqa: E402
 from amem_callbacks.groups import register_roles  # noqa: E402
 from tests.gpu.common import ON_CPU, StepTimer, cpu_notes, gloo_group, nccl_library, \
-    policy_backend, set_aside_on_cpu  # noqa: E402
+    policy_backend, provenance, set_aside_on_cpu  # noqa: E402
 
 VOCAB = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(4093)]
 BEGINS: list = []  # every begin report of the current run, in order
@@ -495,10 +495,7 @@ def main() -> None:
     dist.all_gather_object(everyone, result)
     if dist.get_rank() == 0:
         summary = {"ok": all(all(r["checks"].values()) for r in everyone),
-                   "command": f"python3 -m torch.distributed.run --nproc-per-node "
-                              f"{dist.get_world_size()} tests/gpu/trl_gpu.py "
-                              + " ".join(sys.argv[1:]),
-                   "ranks": everyone}
+                   **provenance("tests/gpu/trl_gpu.py"), "ranks": everyone}
         with open(args.out, "w") as f:
             json.dump(summary, f, indent=1, default=str)
         for rank, r in enumerate(everyone):

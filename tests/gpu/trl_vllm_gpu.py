@@ -78,8 +78,7 @@ GIB = 2**30
 #: the share TRL's GRPOConfig defaults to (vllm_gpu_memory_utilization)
 TRL_DEFAULT_SHARE = 0.3
 SYNC_ROLE = "trl_vllm_sync"  # the spies' gloo barriers run on it while generating
-RUN_COMMAND_ENV = "AMEM_RUN_COMMAND"  # the orchestrator's exact torchrun line, for the record
-GIT_HEAD_ENV = "AMEM_GIT_HEAD"
+DRIVER = "tests/gpu/trl_vllm_gpu.py"  # as common.provenance names it
 CODE_FILES = ("tests/gpu/trl_vllm_gpu.py", "tests/gpu/vllm_bundle.py", "adapters/trl.py",
               "adapters/_trl_groups.py", "amem_callbacks/headroom.py")
 
@@ -651,16 +650,10 @@ def versions() -> dict:
     return out
 
 
-def code_identity(git_head: Optional[str]) -> dict:
-    """The commit (given, from the environment, or git's; the GPU machine's copy of the
-    tree has no .git) and the sha256 of the files this run's behaviour depends on."""
-    head = git_head or os.environ.get(GIT_HEAD_ENV)
-    if not head:
-        try:
-            head = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True,
-                                  text=True, timeout=10).stdout.strip() or None
-        except (OSError, subprocess.TimeoutExpired):
-            head = None
+def code_identity(commit: Optional[str]) -> dict:
+    """The sha256 of the files this run's behaviour depends on, and ``commit``
+    (common.provenance's: git's, else an export's, which ``--git-head`` gives) under
+    its older name ``git_head``."""
     sums = {}
     for rel in CODE_FILES:
         try:
@@ -668,7 +661,7 @@ def code_identity(git_head: Optional[str]) -> dict:
                 sums[rel] = hashlib.sha256(f.read()).hexdigest()
         except OSError:
             sums[rel] = None
-    return {"git_head": head or "unknown: pass --git-head (the GPU machine's tree has no .git)",
+    return {"git_head": commit or "unknown: pass --git-head (the GPU machine's tree has no .git)",
             "code_sha256": sums}
 
 
@@ -679,7 +672,7 @@ def run_rank(args) -> int:
     import torch.distributed as dist
 
     from tests.gpu.common import ON_CPU, StepTimer, bind_device, cpu_notes, gloo_group, \
-        nccl_library, policy_backend, ranks_per_gpu
+        nccl_library, policy_backend, provenance, ranks_per_gpu
 
     cpu = ON_CPU
     log = VllmLog()
@@ -703,14 +696,9 @@ def run_rank(args) -> int:
 
     rec = Recorder(free_now)
     record_transitions(rec)
-    out = {"rank": rank, "world": world, "args": vars(args),
-           "command": os.environ.get(RUN_COMMAND_ENV) or "python3 -m torch.distributed.run "
-           f"--nproc-per-node {world} tests/gpu/trl_vllm_gpu.py " + shlex.join(sys.argv[1:]),
-           **code_identity(args.git_head), "versions": versions(),
-           "env": {k: os.environ.get(k) for k in (
-               "NCCL_MULTI_RANK_GPU_ENABLE", "NCCL_NVLS_ENABLE", "LD_PRELOAD", "PYTHONPATH",
-               "LOCAL_RANK", "WORLD_SIZE", "PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK")},
-           "failed": None}
+    origin = provenance(DRIVER)  # under torchrun: its command line, as the orchestrator ran it
+    out = {"rank": rank, "world": world, "args": vars(args), **origin,
+           **code_identity(origin["commit"]), "versions": versions(), "failed": None}
     callback = trainer = ballast = None
     timer = StepTimer(synchronize)
     try:
@@ -877,7 +865,8 @@ def merge_run(prefix: str, log_lines=(), meta: Optional[dict] = None) -> dict:
                        default=None),
         headroom_suggested=min((h["suggested"] for h in headrooms), default=None),
         headroom_line=headrooms[0]["line"] if headrooms else None,
-        versions=(first or {}).get("versions"), git_head=(first or {}).get("git_head"),
+        versions=(first or {}).get("versions"), commit=(first or {}).get("commit"),
+        git_head=(first or {}).get("git_head"),
         command=run.get("command") or (first or {}).get("command"))
     return run
 
@@ -1057,14 +1046,14 @@ def start_run(spec: dict, args, folder: str, env: dict):
     from amem_callbacks.tools.launch import free_port
 
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.ranks),
-            "--master-port", str(free_port()), os.path.join("tests", "gpu", "trl_vllm_gpu.py"),
+            "--master-port", str(free_port()), DRIVER,
             "run", os.path.join(folder, "rank"), "--share", str(spec["share"]),
             "--amem" if spec["amem"] else "--no-amem", "--ballast-gib", str(spec["ballast_gib"]),
             "--work", os.path.join(folder, "work"), *driver_flags(args)]
     log_path = os.path.join(folder, "log.txt")
     log = open(log_path, "w")
-    proc = subprocess.Popen(argv, cwd=ROOT, env=dict(env, **{RUN_COMMAND_ENV: shlex.join(argv)}),
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
     return proc, argv, log_path, log
 
 
@@ -1147,13 +1136,15 @@ def orchestrate(args) -> int:
 
 
 def write_outputs(state: dict, state_path: str, out: Optional[str]) -> None:
+    from tests.gpu.common import provenance
+
     with open(state_path + ".tmp", "w") as f:
         json.dump(state, f, indent=1, default=str)
     os.replace(state_path + ".tmp", state_path)
     if out:
         os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "summary.json"), "w") as f:
-            json.dump(summarise(state), f, indent=1, default=str)
+        with open(os.path.join(out, "summary.json"), "w") as f:  # the orchestrator's command
+            json.dump(dict(summarise(state), **provenance(DRIVER)), f, indent=1, default=str)
         with open(os.path.join(out, "runs.json"), "w") as f:
             json.dump(state.get("runs", {}), f, indent=1, default=str)
 
@@ -1174,7 +1165,8 @@ def add_run_flags(p, *, orchestrator: bool) -> None:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True,
                    help="training activations small next to vLLM's cache")
-    p.add_argument("--git-head", help="the commit this tree is (the GPU machine has no .git)")
+    p.add_argument("--git-head", help="the commit this tree is, where it has no .git (the GPU "
+                   "machine's copy): common.run_commit's AMEM_COMMIT")
     if not orchestrator:
         p.add_argument("--share", type=float, default=TRL_DEFAULT_SHARE,
                        help="vllm_gpu_memory_utilization")
@@ -1210,6 +1202,8 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("prefix")
     p.add_argument("--log")
     args = parser.parse_args(argv)
+    if getattr(args, "git_head", None):  # what common.provenance records for an export
+        os.environ["AMEM_COMMIT"] = args.git_head
     if args.command == "run":
         return run_rank(args)
     if args.command == "pairs":

@@ -104,7 +104,7 @@ sys.path.insert(0, STANDINS)  # the ray stand-in wins over an installed Ray
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from tests.gpu.common import ON_CPU, bind_device, cpu_notes, ranks_per_gpu, \
+from tests.gpu.common import ON_CPU, bind_device, cpu_notes, provenance, ranks_per_gpu, \
     stand_in_backend  # noqa: E402
 
 SMOKE = "--cpu-smoke" in sys.argv or ON_CPU
@@ -644,8 +644,11 @@ def summarize(out_path: str, base_path: str, amem_path: str, control_path: str) 
     out = {"ok": all(r.get("ok") for r in runs.values()),
            "runs": {n: {"ok": r.get("ok"), "failed": [k for k, v in r.get("checks", {}).items()
                                                       if v is False],
-                        "missing": r.get("missing")} for n, r in runs.items()},
-           "deterministic_baseline": deterministic}
+                        "missing": r.get("missing"), "command": r.get("command"),
+                        "commit": r.get("commit")} for n, r in runs.items()},
+           "deterministic_baseline": deterministic,
+           # tests/gpu/verl_gpu.sh names its own command line (AMEM_RUN_COMMAND)
+           **provenance("tests/gpu/verl_gpu.py")}
     if not deterministic and "vs_baseline" in control and "vs_baseline" in amem:
         # The baseline does not repeat itself: judge amem by the control's spread.
         tol = control["vs_baseline"]
@@ -757,8 +760,7 @@ def main() -> int:
     store.barrier("results written")
     if store.rank == 0:
         ranks = [json.loads(store.store.get(f"{RESULT_KEY}{r}")) for r in range(store.world)]
-        summary = {"command": f"python3 -m torch.distributed.run --nproc-per-node {store.world} "
-                              "tests/gpu/verl_gpu.py " + " ".join(sys.argv[1:]),
+        summary = {**provenance("tests/gpu/verl_gpu.py"),
                    "mode": "cpu-smoke (gloo, noop; not a GPU proof)" if SMOKE else "gpu",
                    "amem": args.amem, "args": vars(args), "versions": versions(),
                    "device": None if SMOKE else torch.cuda.get_device_name(),

@@ -17,6 +17,7 @@
 # OUTDIR gets summary.json, baseline.json, amem.json, control.json and
 # logs.tar.gz (the three logs and the exit codes): five files.
 set -uo pipefail
+COMMAND=$(printf '%q ' "$0" "$@")  # as typed: the summary records it (AMEM_RUN_COMMAND)
 cd "$(dirname "$0")/../.."
 OUT=${1:?usage: tests/gpu/verl_gpu.sh OUTDIR [verl_gpu.py arguments]}
 shift
@@ -41,8 +42,8 @@ run() {  # name, then verl_gpu.py arguments
 run baseline --amem off "$@"
 run amem --amem "$BACKEND" --baseline "$OUT/baseline.json" "$@"
 run control --amem off --baseline "$OUT/baseline.json" "$@"
-python3 tests/gpu/verl_gpu.py summary "$OUT/summary.json" "$OUT/baseline.json" \
-    "$OUT/amem.json" "$OUT/control.json"
+AMEM_RUN_COMMAND="${COMMAND% }" python3 tests/gpu/verl_gpu.py summary "$OUT/summary.json" \
+    "$OUT/baseline.json" "$OUT/amem.json" "$OUT/control.json"
 rc=$?
 tar czf "$OUT/logs.tar.gz" -C "$OUT" baseline.log amem.log control.log exits.txt \
     && rm -f "$OUT"/baseline.log "$OUT"/amem.log "$OUT"/control.log "$OUT"/exits.txt
