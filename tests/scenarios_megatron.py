@@ -634,7 +634,7 @@ def kv_growth(args):
         drain(engine)
         resumed = controller.session.freed()  # what the resume left running
         steps = 0  # on a busy CPU the suspends may outlast the steps: step until grown
-        while steps < args.get("steps", 120) or (controller._growth.waiting and steps < 5000):
+        while steps < args.get("steps", 120) or (controller.growth.waiting and steps < 5000):
             engine._loop.run_until_complete(engine.async_step())
             steps += 1
         engine.waiting_request_ids.clear()  # every request done: the rollout is over
@@ -647,9 +647,9 @@ def kv_growth(args):
             "suspends_done_at_resume": resumed.done,
             "reports": [dict(r.as_dict(), when=r.when, summary=r.summary())
                         for r in controller.kv_reports if r is not None][-2:],
-            "decision": controller._growth.decisions[-1].why if controller._growth.decisions
+            "decision": controller.growth.decisions[-1].why if controller.growth.decisions
             else None,
-            "measured": controller._growth.measured[-1].as_dict() if controller._growth.measured
+            "measured": controller.growth.measured[-1].as_dict() if controller.growth.measured
             else None})
         controller.kv_reports.clear()
     out["allocations"] = engine.context.allocations

@@ -50,6 +50,13 @@ class RolloutOffload(SessionViews):
         return self.settings.enabled
 
     @property
+    def growth(self) -> Optional[KvCacheGrowth]:
+        """The KV cache growth (``--rl-amem-grow-kv-cache``), None when it is off: read
+        its ``waiting``, ``decisions`` and ``measured`` figures for logs and checks; the
+        controller alone drives it."""
+        return self._growth
+
+    @property
     def reports(self) -> list:
         """(via, report) pairs, most recent last; bounded."""
         return list(self.session.history) if self.session is not None else []
