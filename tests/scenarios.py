@@ -693,6 +693,9 @@ def longest_waits(args):
                                timeout_s=MAX_WAIT_S, agree_timeout_s=MAX_WAIT_S / 2)
         policy.begin("rollout")
         freed = RolloutSession(policy).wait_for_memory(1)
+        # the memory wait returns once the first group freed its bytes; with overlap
+        # the others may still be suspending (CI caught dp and ep mid-way once)
+        policy.wait(MAX_WAIT_S)
         during = fake.suspended()
         policy.end("rollout")
         policy.wait(MAX_WAIT_S)
