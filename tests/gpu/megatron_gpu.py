@@ -39,6 +39,8 @@ import sys
 from collections import deque
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ROOT not in sys.path:  # run as a script: tests.gpu.common from the repo
+    sys.path.insert(0, ROOT)
 CONFIGS = ("dp2", "tp2", "separate")
 FLAGS = ["--rl-amem-offload-during-rollout", "--rl-amem-backend", "nccl"]
 MiB = 2**20
@@ -47,8 +49,6 @@ MiB = 2**20
 def import_adapter():
     """The adapter, from the installed package (a bare tree stops with the install
     command: common.require_installed_package)."""
-    if ROOT not in sys.path:
-        sys.path.insert(0, ROOT)
     from tests.gpu.common import require_installed_package
 
     require_installed_package()
@@ -242,8 +242,6 @@ def main() -> int:
     out_dir = args[0] if args else os.environ.get("OUT", ".")
     os.makedirs(out_dir, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    if ROOT not in sys.path:  # run as a script: tests/gpu is on the path, not the repo
-        sys.path.insert(0, ROOT)
     from tests.gpu.common import provenance, require_installed_package
 
     require_installed_package()  # the package's launcher runs every configuration

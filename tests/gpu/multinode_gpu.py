@@ -34,6 +34,8 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ROOT not in sys.path:  # run as a script: tests.gpu.common from the repo
+    sys.path.insert(0, ROOT)
 TP, PP = 2, 2
 
 
@@ -134,8 +136,6 @@ def check(ranks: list, world: int) -> dict:
 
 
 def driver(out_path: str, world: int, per_node: int) -> int:
-    if ROOT not in sys.path:  # run as a script: tests/gpu is on the path, not the repo
-        sys.path.insert(0, ROOT)
     from tests.gpu.common import provenance
 
     out_dir = tempfile.mkdtemp(prefix="amem-multinode-")
