@@ -518,7 +518,7 @@ def merge_curve(out: str, rollout: int = 0) -> dict:
         result["rises_with_concurrency"] = all(b >= 0.98 * a for a, b in zip(rates, rates[1:])) \
             and rates[-1] > rates[0]
         # the launch buffer's own point: the engine's default max_requests, requests waiting
-        launch = next((p for p in points if p["run"] == "calibrate"), None)
+        launch = launch_point(points, _launch_run(out))
         bigger = [p for p in points if launch is not None and (p.get("token_capacity") or 0)
                   > (launch.get("token_capacity") or 0)]
         if launch is not None and bigger:
@@ -534,6 +534,24 @@ def merge_curve(out: str, rollout: int = 0) -> dict:
     with open(os.path.join(out, "curve.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
     return result
+
+
+def _launch_run(out: str) -> str:
+    """The curve's own run at calibrate's buffer (``--points`` can name it), if any."""
+    try:
+        with open(os.path.join(out, "calibration.json")) as f:
+            return point_name(float(json.load(f)["buffer_gb"]), None)
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+
+
+def launch_point(points: list, own_run: str = "") -> dict:
+    """The launch size's point: the curve's own run of it where there is one, else
+    calibrate's. Both run the same buffer and flags; the curve's own was timed alone on
+    the GPU, while calibrate may share the machine with other work (it is a memory
+    measurement first): a slower launch point would overstate the gain."""
+    by_run = {p["run"]: p for p in points}
+    return by_run.get(own_run) or by_run.get("calibrate")
 
 
 def _curve_verdict(result: dict) -> str:

@@ -926,3 +926,18 @@ def test_the_campaign_runs_a_step_detached_and_polls_it_into_out(tmp_path):
     wrong = subprocess.run(["bash", script, "launch"], env=env, capture_output=True, text=True,
                            timeout=60)
     assert wrong.returncode == 2 and "unknown step" in wrong.stdout
+
+
+def test_the_launch_point_is_the_curves_own_run_of_the_launch_buffer_where_it_has_one(tmp_path):
+    """calibrate's run may share the machine (it is a memory measurement first): a
+    launch-buffer run of the curve's own, timed alone, is the one the gain is read from."""
+    own = rollout_gain.point_name(10.5, None)
+    points = [{"run": "calibrate", "step_tokens_per_s": 90.0},
+              {"run": own, "step_tokens_per_s": 100.0},
+              {"run": rollout_gain.point_name(10.5, 88), "step_tokens_per_s": 60.0}]
+    assert rollout_gain.launch_point(points, own)["run"] == own
+    assert rollout_gain.launch_point(points[:1] + points[2:], own)["run"] == "calibrate"
+    assert rollout_gain.launch_point(points, "")["run"] == "calibrate"
+    assert rollout_gain._launch_run(str(tmp_path)) == ""  # no calibration.json: calibrate's
+    (tmp_path / "calibration.json").write_text(json.dumps({"buffer_gb": 10.5}))
+    assert rollout_gain._launch_run(str(tmp_path)) == own
