@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
-from amem_callbacks.groups import distributed_ready
+from amem_callbacks.availability import is_distributed_initialized
 from amem_callbacks.sharded import (groups_gathered_over, groups_generate_uses,
                                     guard_sees_all_collectives)
 
@@ -23,7 +23,7 @@ def groups_generation_uses(trainer, mode) -> list:
     (:func:`amem_callbacks.sharded.groups_generate_uses`)."""
     import torch.distributed as dist
 
-    if not distributed_ready():
+    if not is_distributed_initialized():
         return []
     world = dist.distributed_c10d._get_default_group()
     found = []

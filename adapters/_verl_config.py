@@ -5,15 +5,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from amem_callbacks.options import OptionError, check_block, plain, valid_keys
+from amem_callbacks.errors import OptionError
+from amem_callbacks.options import check_block, plain, valid_keys
+from amem_callbacks.states import BackendName, GuardMode
 
 CONFIG_KEY = "actor_rollout_ref.rollout.custom.amem"
+
+
+def _either(words: tuple) -> str:
+    """('a', 'b', 'c') -> "'a', 'b' or 'c'" (for a message)."""
+    quoted = [repr(w) for w in words]
+    return ", ".join(quoted[:-1]) + " or " + quoted[-1]
+
+
 #: key -> (accepted types, how the message describes it)
 OPTIONS = {
     "enable": ((bool,), "true or false"),
-    "backend": ((str,), "'auto', 'nccl', 'amem' or 'noop'"),
+    "backend": ((str,), _either(BackendName.choices())),
     "keep": ((list, tuple), "a list of group names, e.g. [world]"),
-    "guard": ((str,), "'resume', 'strict' or 'off'"),
+    "guard": ((str,), _either(GuardMode.choices())),
     "learn_keep": ((bool,), "true or false"),
 }
 VALID_KEYS = valid_keys(OPTIONS)

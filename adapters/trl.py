@@ -9,10 +9,10 @@ import sys
 from typing import Iterable, Mapping, Optional, Union
 
 from amem_callbacks import OffloadPolicy
-from amem_callbacks.errors import AdapterError
+from amem_callbacks.errors import AdapterError, OptionError
 from amem_callbacks.groups import keep_name, register_roles
 from amem_callbacks.log import logger
-from amem_callbacks.options import OffloadOptions, OptionError, check_bool, map_options
+from amem_callbacks.options import OffloadOptions, check_bool, map_options
 from amem_callbacks.patching import Patches
 from amem_callbacks.session import RolloutSession, SessionViews
 

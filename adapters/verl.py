@@ -8,6 +8,7 @@ import inspect
 import threading
 from typing import Optional
 
+from amem_callbacks.availability import is_cuda_available
 from amem_callbacks.errors import AdapterError
 from amem_callbacks.groups import register_roles
 from amem_callbacks.log import logger, warn_once
@@ -38,11 +39,11 @@ def make_policy(settings: AmemSettings):
     e.g. tests put a fake NCCL behind it). Runs on verl's thread for the worker
     method, whose CUDA device is verl's; the transitions run on other threads:
     ``device=`` says which."""
-    import torch
+    import torch  # verl's worker has torch loaded; the adapter module does not import it
 
-    from amem_callbacks import OffloadPolicy
+    from amem_callbacks import OffloadPolicy  # the package's light top level, at use
 
-    device = torch.cuda.current_device() if torch.cuda.is_available() else None
+    device = torch.cuda.current_device() if is_cuda_available() else None
     return OffloadPolicy(settings.options(device=device))
 
 

@@ -116,10 +116,6 @@ def is_distributed_initialized() -> bool:
     return bool(loaded_torch().distributed.is_initialized())
 
 
-#: The name groups.py, policy.py and the adapters have used for it.
-distributed_ready = is_distributed_initialized
-
-
 def cache_clear() -> None:
     """Forget every cached answer (for tests that change what torch reports)."""
     _importable.clear()

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .availability import distributed_ready  # noqa: F401 (policy.py and the adapters import it here)
+from .availability import is_distributed_initialized
 from .backends.base import CommMemory
 from .errors import OptionError
 
@@ -158,9 +158,9 @@ def discover(backend, only=None, placement=None) -> list:
     ``only`` restricts discovery to the given process groups; ``placement``
     (where every rank runs) tells each group's transport.
     """
-    if not distributed_ready():
+    if not is_distributed_initialized():
         return []
-    import torch.distributed as dist  # light import: torch (loaded, as distributed_ready says)
+    import torch.distributed as dist  # light import: torch (loaded, as is_distributed_initialized says)
     from torch.distributed import distributed_c10d as c10d
 
     default_group = c10d._get_default_group()
@@ -186,7 +186,7 @@ def discover(backend, only=None, placement=None) -> list:
 
 def existing_group_names() -> set:
     """Every alias of the groups that exist now (empty before init_process_group)."""
-    if not distributed_ready():
+    if not is_distributed_initialized():
         return set()
     from torch.distributed import distributed_c10d as c10d  # light import: torch
 

@@ -52,7 +52,7 @@ MAX_C_INT = 2**31 - 1
 MAX_WORKERS = 256
 #: Numeric options of the backends, checked here beside their own checks:
 #: backend -> option -> (minimum, maximum, why the maximum).
-BACKEND_NUMBERS = {"amem": {"group_id": (0, MAX_C_INT, "ncclSetGroupID takes a C int")}}
+BACKEND_NUMBERS = {BackendName.AMEM.value: {"group_id": (0, MAX_C_INT, "ncclSetGroupID takes a C int")}}
 
 
 def check_phase(phase) -> None:
@@ -349,12 +349,10 @@ def options_from(options: Optional[OffloadOptions], kwargs: dict) -> OffloadOpti
     """``OffloadPolicy(options)`` or ``OffloadPolicy(**kwargs)``, not both; an unknown
     keyword names the valid ones."""
     if options is not None and not isinstance(options, OffloadOptions):
-        if isinstance(options, (str,)) or hasattr(options, "suspend"):
-            kwargs = {"backend": options, **kwargs}  # the old positional backend argument
-            options = None
-        else:
-            raise OptionError(f"OffloadPolicy takes an OffloadOptions or keyword arguments, "
-                              f"got {options!r}")
+        hint = (f": a backend goes by keyword, OffloadPolicy(backend={options!r})"
+                if isinstance(options, str) or hasattr(options, "suspend") else "")
+        raise OptionError(f"OffloadPolicy takes an OffloadOptions or keyword arguments, "
+                          f"got {options!r}{hint}")
     unknown = sorted(set(kwargs) - set(OffloadOptions.names()))
     if unknown:
         raise OptionError(f"unknown option(s) {unknown}: OffloadOptions has "

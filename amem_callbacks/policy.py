@@ -22,16 +22,15 @@ from typing import Optional
 
 from .backends import select_backend
 from .decide import Setup, agree_setup, plan_begin
-from .errors import PhaseError, TransitionError, TransitionTimeout
-from .groups import distributed_ready
+from .availability import is_cuda_available, is_distributed_initialized
+from .errors import OptionError, PhaseError, TransitionError, TransitionTimeout
 from .learning import LearnedKeeps
-from .options import (MAX_WAIT_S, OffloadOptions, OptionError, check_phase, check_wait,
-                      options_from)
+from .log import logger
+from .options import MAX_WAIT_S, OffloadOptions, check_phase, check_wait, options_from
 from .report import Counters, TransitionReport
 from .states import GuardMode, Kind, Outcome
 from .transitions import Transitions
 
-logger = logging.getLogger("amem_callbacks")
 
 #: policies with a transition that may still run when the interpreter exits
 _live: "weakref.WeakSet" = weakref.WeakSet()
@@ -117,7 +116,7 @@ class OffloadPolicy:
                 logger.warning("amem_callbacks: begin(%r) while phase %r is active: ignored",
                                phase, self._phase)
                 return self._skipped(phase, Kind.BEGIN, f"phase {self._phase!r} is already active")
-            if not distributed_ready():
+            if not is_distributed_initialized():
                 return self._not_ready(phase)
             self._set_up()
             self._phase = phase
@@ -451,7 +450,7 @@ class OffloadPolicy:
             return
         import torch  # light import: torch at use
 
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        count = torch.cuda.device_count() if is_cuda_available() else 0
         if device >= count:
             fix = (f"write 0 to {count - 1}, or leave device unset (the current device)"
                    if count else "leave device unset: this process sees no CUDA device")

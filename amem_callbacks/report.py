@@ -201,7 +201,7 @@ class Counters:
 
     Written from the caller's thread and from the transition worker's pool at
     once (NCCL calls release the GIL, so the threads really interleave): every
-    change goes through :meth:`add` or :meth:`raise_to`, under one lock, since
+    change goes through :meth:`add` or :meth:`record_freed`, under one lock, since
     ``counters.x += 1`` from two threads can lose a count."""
 
     begins: int = 0

@@ -32,7 +32,6 @@ Example (a new framework)::
 from __future__ import annotations
 
 import collections
-import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -40,10 +39,10 @@ from typing import Optional
 
 from . import headroom
 from .options import MAX_BYTES, check_number, check_wait
+from .log import logger
 from .report import TransitionReport
 from .states import Kind, Status
 
-logger = logging.getLogger("amem_callbacks")
 
 PHASE = "rollout"
 

@@ -24,7 +24,7 @@ from .groups import GroupInfo
 from .log import logger
 from .memory import device_free_bytes, host_rss_bytes
 from .report import Counters, GroupReport, GroupView, TransitionReport
-from .states import Kind, Outcome, Status
+from .states import GuardMode, Kind, Outcome, Status
 
 
 
@@ -141,8 +141,8 @@ class Transitions:
         self.timeout_s = options.timeout_s
         self.counters = counters
         self.workers = options.workers
-        self.strict = options.guard == "strict"  # raise instead of resuming
-        self.guarded = options.guard != "off"  # guard='off': calls are not intercepted
+        self.strict = options.guard == GuardMode.STRICT  # raise instead of resuming
+        self.guarded = options.guard != GuardMode.OFF  # guard='off': calls are not intercepted
         self.executor = SerialExecutor()
         self.states: dict = {}  # key -> GroupState, for groups not known to be active
         self.auto_resumed: list = []  # GroupReports of guard resumes since the last end()
@@ -621,6 +621,6 @@ def _group_report(info: GroupInfo, action: Outcome, reason: str = "",
         suspendable_bytes=suspendable if suspendable is not None else (
             memory.suspendable if memory else None),
         persist_bytes=memory.persist if memory else None,
-        unreached_bytes=memory.unreached if memory else 0,
+        unreached_bytes=memory.unreached_bytes if memory else 0,
         unreached_why=memory.unreached_why if memory else "", path=path,
         transport=info.transport)

@@ -31,7 +31,7 @@ def test_every_check_before_torch_is_imported_says_false_and_imports_nothing():
         from amem_callbacks import availability as a
         print(a.is_torch_loaded(), a.loaded_torch(), a.is_cuda_available(),
               a.is_cuda_initialized(), a.is_distributed_available(),
-              a.is_distributed_initialized(), a.distributed_ready())
+              a.is_distributed_initialized())
         print(a.is_torch_importable(), 'torch' in sys.modules)
         from amem_callbacks import memory, headroom
         print(memory.device_free_bytes(), memory.current_device(), memory.empty_cache(),
@@ -40,7 +40,7 @@ def test_every_check_before_torch_is_imported_says_false_and_imports_nothing():
         print(a.is_torch_loaded(), a.is_distributed_available(),
               a.is_cuda_available() == torch.cuda.is_available())
     """)
-    assert out.splitlines() == ["False None False False False False False",
+    assert out.splitlines() == ["False None False False False False",
                                 "True False",
                                 "None None None None False",
                                 "True True True"]
@@ -53,16 +53,16 @@ def test_distributed_readiness_is_never_cached():
         import os, tempfile
         import torch.distributed as dist
         from amem_callbacks.availability import is_distributed_initialized as ready
-        from amem_callbacks.groups import distributed_ready, existing_group_names
-        seen = [ready(), distributed_ready(), sorted(existing_group_names())]
+        from amem_callbacks.groups import existing_group_names
+        seen = [ready(), sorted(existing_group_names())]
         store = os.path.join(tempfile.mkdtemp(), "store")
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-        seen += [ready(), distributed_ready(), "world" in existing_group_names()]
+        seen += [ready(), "world" in existing_group_names()]
         dist.destroy_process_group()
-        seen += [ready(), distributed_ready()]
+        seen += [ready(), sorted(existing_group_names())]
         print(seen)
     """)
-    assert out == "[False, False, [], True, True, True, False, False]"
+    assert out == "[False, [], True, True, False, []]"
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from amem_callbacks import OffloadPolicy
-from amem_callbacks.options import OptionError
+from amem_callbacks.errors import OptionError
 from tests.harness import run_ranks
 from tests.requires import needs_modules
 

@@ -94,7 +94,7 @@ def test_nccl_lazy_reports_the_pair_communicators_it_cannot_reach(fake):
     pairs = [controls.create(30 * MiB, 2 * MiB), controls.create(30 * MiB, 2 * MiB)]
     handle, _ = handle_for(torch_standins.make("2.15-nccl-lazy", lib_path, primary, pairs))
     memory = NcclBackend(library=lib).memory(handle)
-    assert memory.suspendable == 100 * MiB and memory.unreached == 64 * MiB
+    assert memory.suspendable == 100 * MiB and memory.unreached_bytes == 64 * MiB
     assert "per-peer" in memory.unreached_why
     # path="torch" reaches them all (at the GIL's price)
     native, _ = handle_for(torch_standins.make("2.15-nccl-lazy", lib_path, primary, pairs), "torch")

@@ -20,7 +20,6 @@ import hashlib
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from amem_callbacks.tools.launch import free_port  # noqa: E402
 from tests.gpu import common  # noqa: E402
 from tests.gpu import trl_vllm_gpu as drv  # noqa: E402
 
@@ -218,12 +218,6 @@ def test_step_figures_leave_the_first_cycle_out():
 
 
 # --- CPU runs: the driver's own code on trl's real classes -----------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def cpu_env() -> dict:
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",

@@ -92,7 +92,8 @@ def test_options_object_or_keywords_and_not_a_stray_positional():
     with pytest.raises(AttributeError):  # options are read from policy.options only
         OffloadPolicy(overlap=True).overlap
     assert OffloadPolicy(options, min_bytes=0).options.keep_for("x") == {"world"}
-    assert OffloadPolicy("noop").options.backend == "noop"  # the old positional backend
+    with pytest.raises(ValueError, match=r"by keyword, OffloadPolicy\(backend='noop'\)"):
+        OffloadPolicy("noop")
     with pytest.raises(ValueError, match="takes an OffloadOptions or keyword arguments"):
         OffloadPolicy(5)
     with pytest.raises(AttributeError):

@@ -11,6 +11,7 @@ from typing import Callable, Optional
 from amem_callbacks.log import logger
 from amem_callbacks.options import (BACKEND_CHOICES, MAX_C_INT, OffloadOptions, number_type,
                                     roles_type)
+from amem_callbacks.states import BackendName
 
 from .roles import ALIASES, VALID_KEEP
 
@@ -113,7 +114,7 @@ def settings_from_args(args) -> Settings:
         if value is not None:
             given[field] = convert(value)
     settings = Settings(**given)
-    if settings.group_id is not None and settings.backend not in ("auto", "amem"):
+    if settings.group_id is not None and settings.backend not in (BackendName.AUTO, BackendName.AMEM):
         logger.warning("amem_callbacks: --rl-amem-group-id applies to --rl-amem-backend amem "
                        "(or auto); ignored with backend %r", settings.backend)
         settings = dataclasses.replace(settings, group_id=None)

@@ -18,6 +18,8 @@ import math
 import sys
 from typing import Optional
 
+from amem_callbacks.availability import is_distributed_initialized, loaded_torch
+
 BUILDER_MODULE = "megatron.core.inference.batch_dimensions_utils"
 BUILDER = "CUDAGraphBatchDimensionBuilder"
 
@@ -60,18 +62,20 @@ def builder(context):
     return found
 
 
-def ep_size(engine) -> int:
-    import torch.distributed as dist
+def _group_size(engine, role: str) -> int:
+    """The size of the engine's ``role`` group (1 without one or without torch.distributed)."""
+    group = getattr(getattr(engine, "pg_collection", None), role, None)
+    if group is None or not is_distributed_initialized():
+        return 1
+    return loaded_torch().distributed.get_world_size(group)
 
-    ep = getattr(getattr(engine, "pg_collection", None), "ep", None)
-    return dist.get_world_size(ep) if ep is not None and dist.is_initialized() else 1
+
+def ep_size(engine) -> int:
+    return _group_size(engine, "ep")
 
 
 def tp_size(engine) -> int:
-    import torch.distributed as dist
-
-    tp = getattr(getattr(engine, "pg_collection", None), "tp", None)
-    return dist.get_world_size(tp) if tp is not None and dist.is_initialized() else 1
+    return _group_size(engine, "tp")
 
 
 def requests_for(context, blocks: int, tp: int) -> int:

@@ -11,6 +11,7 @@ import json
 import time
 from typing import Callable, Optional
 
+from amem_callbacks.availability import is_distributed_initialized, loaded_torch
 from amem_callbacks.log import logger
 
 from . import concurrency, kv_cache
@@ -25,10 +26,9 @@ POLL_EVERY = 8
 
 
 def replica_ranks(engine) -> list:
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
+    if not is_distributed_initialized():
         return [0]
+    dist = loaded_torch().distributed
     mp = getattr(getattr(engine, "pg_collection", None), "mp", None)
     return sorted(dist.get_process_group_ranks(mp)) if mp is not None else [dist.get_rank()]
 

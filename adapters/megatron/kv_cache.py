@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from amem_callbacks.availability import is_cuda_initialized, loaded_torch
+
 from . import concurrency
 
 GROWABLE_MODE = "recompute"
@@ -158,11 +160,9 @@ def has_room(launch: Launch, size: Size, held_bytes: int) -> bool:
     """Whether this GPU can take a cache of ``size`` once the ``held_bytes`` of the
     current one are given back: free device memory and what torch's allocator caches
     unused. True where CUDA cannot tell (no GPU: nothing to run out of)."""
-    import sys
-
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+    if not is_cuda_initialized():
         return True
+    torch = loaded_torch()
     free, _total = torch.cuda.mem_get_info()
     cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
     return free + cached + held_bytes >= launch.bytes_of(size)

@@ -8,7 +8,7 @@ import sys
 from typing import Optional
 
 from amem_callbacks import OffloadPolicy
-from amem_callbacks.groups import distributed_ready
+from amem_callbacks.availability import is_distributed_initialized
 from amem_callbacks.log import logger
 from amem_callbacks.memory import empty_cache
 from amem_callbacks.report import write_scalars
@@ -82,7 +82,7 @@ class RolloutOffload(SessionViews):
         report, or None when a rollout is already active or nothing can be done yet."""
         if not self.enabled or self.active:
             return None
-        if not distributed_ready() or not roles.is_initialized():
+        if not is_distributed_initialized() or not roles.is_initialized():
             if not self._warned:
                 self._warned = True
                 logger.warning("amem_callbacks: rollout began (%s) before torch.distributed "

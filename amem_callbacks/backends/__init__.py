@@ -16,8 +16,6 @@ BACKENDS = {
     BackendName.NOOP.value: ("amem_callbacks.backends.noop", "NoopBackend"),
 }
 assert tuple(BACKENDS) == BackendName.concrete(), "every BackendName but auto has a class"
-#: Every name ``backend=`` takes, from the enum.
-CHOICES = BackendName.choices()
 
 
 def backend_class(name: str):
@@ -44,7 +42,7 @@ def select_backend(name, options: dict) -> tuple:
     training untouched. A named backend that cannot work here degrades the
     same way (fail safe) and the log line says why and how to fix it.
     """
-    if name != "auto":
+    if name != BackendName.AUTO:
         backend = name if not isinstance(name, str) else create_backend(name, **options.get(name, {}))
         name = backend.name
         try:

@@ -16,7 +16,7 @@ class CommMemory:
     suspended: bool
     #: bytes of the group's other communicators that this backend cannot
     #: reach (nccl-lazy's per-peer ones), and why; they stay allocated
-    unreached: int = 0
+    unreached_bytes: int = 0
     unreached_why: str = ""
 
 

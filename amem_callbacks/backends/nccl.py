@@ -68,7 +68,7 @@ class CommHandle:
     path: Path
     why: str
     ptr: int = 0  # at discovery; 0 on the torch-native path
-    unreached: str = ""
+    unreached_why: str = ""
     suspended_ptr: int = 0  # what suspend acted on; resume must find the same one
 
     @property
@@ -113,11 +113,11 @@ def handle_for(torch_backend, prefer: str = "auto") -> tuple:
     if reach.path is None:
         return None, reach.why
     if reach.path is Path.TORCH:
-        return CommHandle(torch_backend, Path.TORCH, reach.why, unreached=reach.unreached), None
+        return CommHandle(torch_backend, Path.TORCH, reach.why, unreached_why=reach.unreached_why), None
     ptr = read_pointer(torch_backend)
     if not ptr:
         return None, "its NCCL communicator is not created yet (no collective has run on it)"
-    return CommHandle(torch_backend, Path.CTYPES, reach.why, ptr, reach.unreached), None
+    return CommHandle(torch_backend, Path.CTYPES, reach.why, ptr, reach.unreached_why), None
 
 
 class NcclBackend(Backend):
@@ -204,12 +204,12 @@ class NcclBackend(Backend):
             total=lib.comm_mem_stat(ptr, STAT_TOTAL),
             suspended=bool(lib.comm_mem_stat(ptr, STAT_SUSPENDED)),
         )
-        if isinstance(handle, CommHandle) and handle.unreached:
+        if isinstance(handle, CommHandle) and handle.unreached_why:
             # nccl-lazy: torch's stats sum the primary and the per-peer communicators.
             stats = torch_memory_stats(handle.torch_backend)
             extra = stats["total"] - memory.total if stats else 0
             if extra > 0:
-                memory = replace(memory, unreached=extra, unreached_why=handle.unreached)
+                memory = replace(memory, unreached_bytes=extra, unreached_why=handle.unreached_why)
         return memory
 
     def suspend(self, handle) -> None:

@@ -52,7 +52,7 @@ class Reach:
     path: Optional[Path]
     why: str  # why this path (or why none), for reports and the doctor
     #: what the path leaves untouched, e.g. nccl-lazy's per-peer communicators
-    unreached: str = ""
+    unreached_why: str = ""
 
 
 def _kind(torch_backend) -> str:
@@ -104,14 +104,14 @@ def how_to_reach(torch_backend, prefer: str = "auto") -> Reach:
     has_ptr = _callable(torch_backend, "_comm_ptr")
     has_native = all(_callable(torch_backend, n) for n in ("suspend", "resume", "memory_stats"))
     lazy_pairs = "Lazy" in kind
-    unreached = ("nccl-lazy's per-peer point-to-point communicators: torch gives only the "
+    unreached_why = ("nccl-lazy's per-peer point-to-point communicators: torch gives only the "
                  "primary communicator's pointer" if lazy_pairs else "")
     if prefer == "torch" and has_native:
         return Reach(Path.TORCH, f"{kind}: torch's own suspend() (asked for with path='torch'; "
                                  "holds the GIL)")
     if has_ptr:
         return Reach(Path.CTYPES, f"{kind}._comm_ptr() -> ncclCommSuspend via ctypes "
-                                  "(GIL released)", unreached)
+                                  "(GIL released)", unreached_why)
     if has_native and prefer != "ctypes":
         return Reach(Path.TORCH, f"{kind} exposes no communicator pointer (torch 2.14's nccl2): "
                                  "torch's own suspend(), which holds the GIL")

@@ -19,6 +19,7 @@ from ..backends.amem import nccl_version_in_file, torch_built_nccl_version
 from ..backends.nccl import suspend_capable_nccl_fix
 from ..backends.torch_comms import Path, nccl_classes
 from ..headroom import gpu_total_bytes, vllm_headroom
+from ..log import logger
 from ..nccl_library import SUSPEND_MIN_VERSION, NcclLibrary, loaded_nccl_paths, version_string
 
 
@@ -145,7 +146,6 @@ def _env_facts(d: Diagnosis, amem_library: Optional[str]) -> None:
 
 
 def _pick(d: Diagnosis, amem_library: Optional[str]) -> None:
-    logger = logging.getLogger("amem_callbacks")
     level = logger.level
     logger.setLevel(logging.ERROR)  # the doctor reports the choice itself
     try:
@@ -184,7 +184,7 @@ def _paths(d: Diagnosis) -> None:
     classes = nccl_classes()
     d.facts["nccl_backend_classes"] = {
         name: (reach.path.value if reach.path else "none") + f" - {reach.why}"
-        + (f"; not reached: {reach.unreached}" if reach.unreached else "")
+        + (f"; not reached: {reach.unreached_why}" if reach.unreached_why else "")
         for name, reach in classes.items()}
     if any(reach.path is Path.TORCH for reach in classes.values()):
         d.facts["nccl_backend_note"] = (

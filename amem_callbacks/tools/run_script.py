@@ -13,6 +13,7 @@ import sys
 from typing import Callable, Optional, Sequence
 
 from ..availability import is_importable
+from ..log import logger
 
 
 def run_with_flags(parser: argparse.ArgumentParser, argv: Sequence[str],
@@ -78,7 +79,7 @@ def closest(flag: str, known: Sequence[str], prefix: str) -> list:
 
 def log_to_stderr() -> None:
     """The package's log lines on stderr, one per line, prefixed with the rank."""
-    log = logging.getLogger("amem_callbacks")
+    log = logger
     if log.handlers:
         return
     handler = logging.StreamHandler()
