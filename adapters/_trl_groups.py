@@ -21,7 +21,7 @@ def groups_generation_uses(trainer, mode) -> list:
     """``(process group, role or None, why)`` for each group that generation itself
     calls: vLLM's, and those a sharded model's generation runs on
     (:func:`amem_callbacks.sharded.groups_generate_uses`)."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # light import: torch at use
 
     if not is_distributed_initialized():
         return []
@@ -80,7 +80,7 @@ def _vllm_own_groups() -> list:
 
 def _is_peft(model) -> bool:
     try:
-        from accelerate.utils import is_peft_model
+        from accelerate.utils import is_peft_model  # optional: accelerate
     except ImportError:
         return False
     return model is not None and is_peft_model(model)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from amem_callbacks.errors import OptionError
-from amem_callbacks.options import check_block, plain, valid_keys
+from amem_callbacks.options import OffloadOptions, check_block, plain, valid_keys
 from amem_callbacks.states import BackendName, GuardMode
 
 CONFIG_KEY = "actor_rollout_ref.rollout.custom.amem"
@@ -42,8 +42,6 @@ class AmemSettings:
     def options(self, **extra):
         """The policy's options: every key but ``enable`` is an OffloadOptions field
         of the same name. Transitions overlap: the worker waits where it must."""
-        from amem_callbacks.options import OffloadOptions
-
         given = {k: getattr(self, k) for k in OPTIONS if k != "enable"}
         given.update(keep=list(self.keep), overlap=True)
         return OffloadOptions(**{**given, **extra})

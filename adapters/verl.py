@@ -237,6 +237,7 @@ def _raise_hook_errors() -> None:
 
 
 def _patch_engine_workers(module) -> None:
+    # optional framework: runs in verl's import hook
     from verl.single_controller.base.decorator import Dispatch, register
 
     patches = _hooks.patches
@@ -254,7 +255,7 @@ def _patch_engine_workers(module) -> None:
 
 
 def _patch_checkpoint_engine(module) -> None:
-    from verl.utils.ray_utils import auto_await
+    from verl.utils.ray_utils import auto_await  # optional framework: runs in verl's import hook
 
     def replace(method):
         # sleep_replicas is auto_await(async fn), and auto_await looks at its caller's

@@ -3,6 +3,8 @@
 Importing this package imports no torch; the public names load on first use.
 """
 
+import importlib
+
 __version__ = "0.1.0"
 
 _EXPORTS = {
@@ -27,7 +29,5 @@ __all__ = sorted(_EXPORTS)
 
 def __getattr__(name):
     if name in _EXPORTS:
-        import importlib
-
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'amem_callbacks' has no attribute {name!r}")

@@ -52,7 +52,8 @@ MAX_C_INT = 2**31 - 1
 MAX_WORKERS = 256
 #: Numeric options of the backends, checked here beside their own checks:
 #: backend -> option -> (minimum, maximum, why the maximum).
-BACKEND_NUMBERS = {BackendName.AMEM.value: {"group_id": (0, MAX_C_INT, "ncclSetGroupID takes a C int")}}
+BACKEND_NUMBERS = {
+    BackendName.AMEM.value: {"group_id": (0, MAX_C_INT, "ncclSetGroupID takes a C int")}}
 
 
 def check_phase(phase) -> None:

@@ -27,7 +27,7 @@ def device_id(device: Optional[int]) -> str:
     """A GPU's identity across processes (its UUID), or "cpu"."""
     if device is None:
         return "cpu"
-    import torch
+    import torch  # light import: torch at use
 
     uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
     return str(uuid) if uuid is not None else f"cuda:{device}"

@@ -27,6 +27,11 @@ Example (a new framework)::
             return engine.generate(batch)
         finally:
             session.stop("generate", guarded_until_settle=True)
+
+The session is the policy's one friend: it alone reads the policy's internal
+state (``_phase``, ``_setup``, ``_backend``, ``_agreement``) and its memory wait
+(``_wait_for_bytes``), so that the store rounds and the adapters' waiting live
+here and the policy's public surface stays its verbs and read-only views.
 """
 
 from __future__ import annotations

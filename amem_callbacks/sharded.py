@@ -23,7 +23,7 @@ def groups_gathered_over(model, sharding: str = "FSDP") -> list:
     their group, and the default group too (nothing public shows it unused).
     Nothing found: the default group. ``sharding`` names the wrapper in the why.
     """
-    import torch.distributed as dist
+    import torch.distributed as dist  # light import: torch at use
 
     world = dist.distributed_c10d._get_default_group()
     legacy_why = f"{sharding} gathers parameters on it while generating"
@@ -56,7 +56,7 @@ def groups_generate_uses(model, sharding: str = "FSDP", continuous_batching: boo
     """What transformers' ``generate()`` of a sharded ``model`` runs collectives on:
     :func:`groups_gathered_over`, and the default group, where it all-reduces a
     finished flag after every token when the world has more than one rank."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # light import: torch at use
 
     world = dist.distributed_c10d._get_default_group()
     found = groups_gathered_over(model, sharding)

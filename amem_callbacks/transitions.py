@@ -111,7 +111,7 @@ def group_timeout_s(group) -> float:
     ``options._timeout``; if torch renames it, one warning says the fallback
     and how to set the bound (``timeout_s=``) instead of every timeout quietly
     becoming 30 minutes."""
-    import torch
+    import torch  # light import: torch at use
 
     for device in ("cuda", "cpu"):
         try:
@@ -608,7 +608,7 @@ class Transitions:
 
 
 def _ranks(group) -> list:
-    import torch.distributed as dist
+    import torch.distributed as dist  # light import: torch at use
 
     return dist.get_process_group_ranks(group)
 

@@ -114,7 +114,8 @@ def settings_from_args(args) -> Settings:
         if value is not None:
             given[field] = convert(value)
     settings = Settings(**given)
-    if settings.group_id is not None and settings.backend not in (BackendName.AUTO, BackendName.AMEM):
+    amem_capable = (BackendName.AUTO, BackendName.AMEM)  # ncclSetGroupID is AMem's
+    if settings.group_id is not None and settings.backend not in amem_capable:
         logger.warning("amem_callbacks: --rl-amem-group-id applies to --rl-amem-backend amem "
                        "(or auto); ignored with backend %r", settings.backend)
         settings = dataclasses.replace(settings, group_id=None)

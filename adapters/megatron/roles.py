@@ -4,6 +4,7 @@ them a rollout leaves idle (read from the module globals: docs/megatron.md)."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from typing import Optional
 
 from amem_callbacks.groups import RoleGroup, RolloutGroups, flatten_groups
@@ -57,8 +58,6 @@ SEPARATE = "separate"
 
 
 def _parallel_state():
-    import importlib
-
     return importlib.import_module("megatron.core.parallel_state")
 
 
@@ -70,8 +69,8 @@ def is_initialized(ps=None) -> bool:
 def parallel_state_groups(ps=None) -> list:
     """Every distinct group object of ``parallel_state`` this rank is in, the
     default group first, each with its roles."""
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
+    import torch.distributed as dist  # light import: torch at use
+    from torch.distributed import distributed_c10d as c10d  # light import: torch at use (both)
 
     ps = ps or _parallel_state()
     entries, by_id = [], {}

@@ -203,7 +203,7 @@ def plot(timeline: list, path: str):
         import matplotlib
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # optional: the plot only
     except ImportError:
         return "matplotlib is not installed (pip install matplotlib)"
     t = [row[0] for row in timeline]

@@ -43,7 +43,7 @@ def gather_ints(values: list, group) -> list:
     # light import: torch (both). The tests' harness and the GPU drivers import
     # this module for free_port before torch, and the tools quiet numpy first.
     import torch
-    import torch.distributed as dist
+    import torch.distributed as dist  # light import: torch in the workers only
 
     mine = torch.tensor(list(values), dtype=torch.int64)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]

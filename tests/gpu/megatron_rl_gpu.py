@@ -494,9 +494,9 @@ def amem_summary() -> dict:
 def kv_growth_summary(controller) -> dict:
     """Each rollout's growth decision and what this rank measured of it (the
     ``amem/kv_cache/decision`` and ``amem/kv_cache/measured/*`` metrics, which go to
-    Megatron's writers only). The controller keeps its growth private: read here for
-    the record, None without ``--rl-amem-grow-kv-cache``."""
-    growth = getattr(controller, "_growth", None)
+    Megatron's writers only), through the controller's read-only ``growth``; None
+    without ``--rl-amem-grow-kv-cache``."""
+    growth = controller.growth
     if growth is None:
         return None
     return {"decisions": [dict(d.as_dict(), why=d.why) for d in growth.decisions],
