@@ -58,7 +58,9 @@ def test_an_injected_wrong_result_turns_the_verdict_red(tmp_path):
 
 
 def test_a_run_past_its_wall_limit_is_a_failure(tmp_path):
-    run, result = soak(tmp_path, "--ranks", "2", "--wall", "2", "--no-plot")  # killed in start-up
+    # the last rank never leaves cycle 3; the other waits for it at the gloo barrier
+    run, result = soak(tmp_path, "--ranks", "2", "--wall", "40", "--seconds", "30",
+                       "--inject-hang-at", "3", "--no-plot")
     assert run.returncode == 1 and not result["ok"]
     assert result["killed"] == "hung past the wall limit" and not result["verdict"]["no_hang"]
     assert result["missing_results"] == [0, 1]

@@ -315,6 +315,8 @@ class Soak:
             self.counts["guard"] += 1
             self.check(c, f"guard/{guard_role} exact", self.exact(self.groups[guard_role],
                                                                    value + 1))
+        if cfg["inject_hang_at"] == c and self.rank == self.world - 1:
+            time.sleep(10**6)  # test of this script: a rank that never comes back
         self.barrier()  # the rollout ends on every rank: over gloo only
         end = policy.end("rollout")
         wrong = cfg["inject_wrong_at"] == c and self.rank == self.world - 1
@@ -425,6 +427,9 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--inject-wrong-at", type=int, default=0,
                    help="test of this script: the last rank adds 0.5 to one all-reduce of "
                         "this cycle, which must turn the verdict red")
+    p.add_argument("--inject-hang-at", type=int, default=0,
+                   help="test of this script: the last rank stops at this cycle's barrier "
+                        "for good, which the wall limit must turn into a failure")
     p.add_argument("--cpu", action="store_true",
                    help="gloo ranks and the fake NCCL (also AMEM_GPU_DRIVER_ON_CPU=1 or "
                         "AMEM_SOAK_CPU=1)")
@@ -460,6 +465,7 @@ def launch(args, work: str, started: float) -> tuple:
            "max_cycles": args.cycles, "extra": args.extra, "workers": args.workers,
            "sample_every": args.sample_every, "guard_every": args.guard_every,
            "disagree_every": args.disagree_every, "inject_wrong_at": args.inject_wrong_at,
+           "inject_hang_at": args.inject_hang_at,
            "timeout_s": args.timeout_s, "agree_timeout_s": args.agree_timeout_s,
            "c10d_timeout_s": max(60.0, args.timeout_s), "numel": 64 if args.cpu else 1 << 18,
            "fake_mib": 32, "work": work, "progress_every": 10 if args.cpu else 50}
