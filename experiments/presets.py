@@ -233,7 +233,9 @@ PRESETS = {
     "qwen3_1_7b": Preset(
         "qwen3_1_7b", "Qwen3-1.7B's config.json (Qwen/Qwen3-1.7B)", QWEN3_1_7B,
         _rotary(QWEN3_1_7B, 544, 544, 58, 8), seq=544, block_tokens=544, prompts=58, group=8,
-        buffer_gb=10.5, leave_gb=50.0, iters=2, timeout_s=420.0,
+        # timeout: measured 2026-12-02 on one H200, start-up ~115 s and an iteration ~236 s
+        # (results/one_h200/rollout_gain_qwen3_dp2/attempt_2026-12-02b_calibrate_timeout)
+        buffer_gb=10.5, leave_gb=50.0, iters=2, timeout_s=900.0,
         scaled="the KV cache held to 10.5 GiB (freed NCCL memory 15-50 % of it), 544-token "
         "sequences, no QK-norm (the THD spec stand-in has none), random weights, a "
         "character tokenizer padded to the vocabulary, 58 prompts x 8"),
