@@ -37,7 +37,7 @@ The arithmetic (``plan``; every figure it prints comes from the functions below)
   pays for one more request's logits and bookkeeping) over the freed bytes less the
   0.25 GiB margin.
 - Training activations: Korthikanti et al.'s s x b x h x (34 + 5 a s / h) bytes a
-  layer (no recompute, TP 1) times the micro-batch, plus the logits in bf16 and fp32.
+  layer (no recompute, TP 1, micro-batch 1) plus the logits in bf16 and fp32.
 - The flash-attn stand-in (tests/standins/flash_attn) gathers every request's whole
   block table, repeats K and V to the query heads and attends with a mask: per layer
   and step it reads and writes about (3 KV heads + 2 query heads) / KV heads times
@@ -60,12 +60,12 @@ cache holds 180 blocks, 176 requests at once; 4.25 GiB of the 4.5 GiB freed grow
 251 blocks, 248 requests (capacity x1.40, the freed memory 43 % of the cache); 58
 prompts x 8 = 464 requests, 232 a rank, of 513 tokens each, so without the package a
 rollout runs 176 then 56 at once (two waves) and with it all 232 once grown; 44 s
-(overlapped) to 70 s (serial) a rollout without the package, 48 s of training an
-iteration in micro-batches of 4 (at 1 it measured ~150 s), a run of 2 iterations 4-5
-minutes. Weights, gradients and optimizer 19.2 GiB a rank; 45.9 GiB a rank in all
-before torch's cache and fragmentation, which calibration measures (the recorded
-tiny_kv runs needed 1.26 x the same estimate; Qwen3's at micro-batch 1 reserved
-25.7 GB before the KV cache). The two step models bracket the
+(overlapped) to 70 s (serial) a rollout without the package, 160 s of training an
+iteration (232 micro-batches of 1 a rank, three passes each at the measured 0.215 s), a
+run of 2 iterations 8-9 minutes (measured: about 10, start-up 115 s). Weights, gradients
+and optimizer 19.2 GiB a rank; 38.8 GiB a rank in all before torch's cache and
+fragmentation, which calibration measures (the recorded tiny_kv runs needed 1.26 x the
+same estimate; Qwen3's first iteration reserved 25.7 GB before the KV cache). The two step models bracket the
 tokens/s gain: x1.26 serial, x1.12 overlapped, against the goal x1.20; the curve
 measures which.
 
@@ -124,8 +124,7 @@ STARTUP_S, SHUTDOWN_S = 58.0, 10.0
 #: over 256 x 3 passes; Qwen3-1.7B's about 150 s over 232 x 3 (2026-12-02, one H200 two
 #: ranks share, results/one_h200/rollout_gain_qwen3_dp2/attempt_2026-12-02b_calibrate_
 #: timeout). Qwen3's FLOPs are ~10 ms of its 215 ms: a pass is bound by the RL loop's
-#: Python and kernel launches, so a larger micro-batch is taken to cost the same pass
-#: (calibrate measures it).
+#: Python and kernel launches (micro-batches of 1: COMMON says why).
 TINY_KV_PASS_S, QWEN3_PASS_S = 0.033, 0.215
 
 
@@ -173,7 +172,6 @@ class Preset:
     iters: int
     timeout_s: float
     pass_s: float  # one micro-batch's pass beyond its FLOPs (TINY_KV_PASS_S, QWEN3_PASS_S)
-    micro_batch: int = 1
     scaled: str = ""
 
     @property
@@ -194,11 +192,15 @@ class Preset:
         return out
 
 
-COMMON = "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather".split()
+# Micro-batches of 1: the THD attention stand-in (tests/standins/megatron_thd_spec.py)
+# takes one sequence a pass, as get_logprobs always hands it packed THD; 4 failed in
+# megatron-core 0.19.2's rotary THD path on the GPU (2026-12-02c: "Sizes of tensors must
+# match", results/one_h200/rollout_gain_qwen3_dp2/attempt_2026-12-02c_micro_batch_4).
+COMMON = ("--micro-batch-size 1 --use-distributed-optimizer --overlap-grad-reduce "
+          "--overlap-param-gather").split()
 
 
-def _rotary(model: Model, seq: int, block: int, prompts: int, group: int,
-            micro_batch: int) -> tuple:
+def _rotary(model: Model, seq: int, block: int, prompts: int, group: int) -> tuple:
     flags = [f"--num-layers {model.layers}", f"--hidden-size {model.hidden}",
              f"--ffn-hidden-size {model.ffn}", f"--num-attention-heads {model.heads}",
              f"--group-query-attention --num-query-groups {model.kv_heads}",
@@ -209,7 +211,7 @@ def _rotary(model: Model, seq: int, block: int, prompts: int, group: int,
              "--normalization RMSNorm --norm-epsilon 1e-6 --swiglu --disable-bias-linear",
              "--make-vocab-size-divisible-by 128",
              f"--grpo-prompts-per-step {prompts} --grpo-group-size {group}",
-             f"--global-batch-size {prompts * group}", f"--micro-batch-size {micro_batch}"]
+             f"--global-batch-size {prompts * group}"]
     if model.qkv_bias:
         flags.append("--add-qkv-bias")
     if not model.tied:
@@ -241,22 +243,17 @@ PRESETS = {
         "model, learned positions (rotary needs heads x channels = hidden)"),
     "qwen3_1_7b": Preset(
         "qwen3_1_7b", "Qwen3-1.7B's config.json (Qwen/Qwen3-1.7B)", QWEN3_1_7B,
-        # Micro-batches of 4: at 1, the 232 a rank made training ~150 s of an iteration's
-        # ~236 s (a pass is bound by its overhead, QWEN3_PASS_S), so a run took ~10 min.
-        _rotary(QWEN3_1_7B, 544, 544, 58, 8, micro_batch=4), seq=544, block_tokens=544,
-        prompts=58, group=8, micro_batch=4,
+        _rotary(QWEN3_1_7B, 544, 544, 58, 8), seq=544, block_tokens=544, prompts=58, group=8,
         # timeout: measured 2026-12-02 on one H200, start-up ~115 s and an iteration ~236 s
-        # at micro-batch 1 (results/one_h200/rollout_gain_qwen3_dp2/attempt_2026-12-02b_
-        # calibrate_timeout)
+        # (results/one_h200/rollout_gain_qwen3_dp2/attempt_2026-12-02b_calibrate_timeout)
         buffer_gb=10.5, leave_gb=50.0, iters=2, timeout_s=900.0, pass_s=QWEN3_PASS_S,
         scaled="the KV cache held to 10.5 GiB (freed NCCL memory 15-50 % of it), 544-token "
         "sequences, no QK-norm (the THD spec stand-in has none), random weights, a "
         "character tokenizer padded to the vocabulary, 58 prompts x 8"),
     "qwen2_5_1_5b": Preset(
         "qwen2_5_1_5b", "Qwen2.5-1.5B's config.json (Qwen/Qwen2.5-1.5B)", QWEN2_5_1_5B,
-        _rotary(QWEN2_5_1_5B, 544, 544, 232, 8, micro_batch=4), seq=544, block_tokens=544,
-        prompts=232, group=8, micro_batch=4, buffer_gb=10.5, leave_gb=50.0, iters=2,
-        timeout_s=900.0, pass_s=QWEN3_PASS_S,
+        _rotary(QWEN2_5_1_5B, 544, 544, 232, 8), seq=544, block_tokens=544, prompts=232,
+        group=8, buffer_gb=10.5, leave_gb=50.0, iters=2, timeout_s=900.0, pass_s=QWEN3_PASS_S,
         scaled="as qwen3_1_7b; its 2 KV heads need ~4x the requests for the same cache"),
 }
 
@@ -306,9 +303,9 @@ def model_state_bytes(model: Model, dp: int) -> int:
 
 
 def training_activation_bytes(preset: Preset) -> int:
-    m, s, b = preset.model, preset.seq, preset.micro_batch
-    per_layer = s * b * m.hidden * (34 + 5 * m.heads * s / m.hidden)
-    logits = s * b * padded_vocab(m.vocab) * (2 + 4 + 4)  # bf16 logits, fp32 log-softmax, grad
+    m, s = preset.model, preset.seq
+    per_layer = s * m.hidden * (34 + 5 * m.heads * s / m.hidden)
+    logits = s * padded_vocab(m.vocab) * (2 + 4 + 4)  # bf16 logits, fp32 log-softmax, its grad
     return int(m.layers * per_layer + logits)
 
 
@@ -368,8 +365,7 @@ def train_seconds(preset: Preset, ranks: int) -> float:
     sequence, FLOPs shared by the ranks, plus each micro-batch's pass."""
     tokens = preset.requests * preset.seq
     flops = (2 + 2 + 6) * preset.model.params * tokens
-    micro_batches = math.ceil(preset.requests / ranks / preset.micro_batch)
-    return flops / FLOPS + 3 * micro_batches * preset.pass_s
+    return flops / FLOPS + 3 * math.ceil(preset.requests / ranks) * preset.pass_s
 
 
 def plan(preset: Preset, *, buffer_gb: Optional[float] = None, ranks: int = 2,

@@ -237,7 +237,7 @@ def claims(preset: presets.Preset) -> dict:
            "--inference-max-seq-length": preset.seq, "--seq-length": preset.seq,
            "--inference-dynamic-batching-block-size": preset.block_tokens,
            "--grpo-prompts-per-step": preset.prompts, "--grpo-group-size": preset.group,
-           "--global-batch-size": preset.requests, "--micro-batch-size": preset.micro_batch,
+           "--global-batch-size": preset.requests, "--micro-batch-size": 1,
            "--rl-kv-cache-management-mode": "recompute", "--train-iters": preset.iters,
            "--inference-dynamic-batching-buffer-size-gb": preset.buffer_gb}
     if m.kv_heads != m.heads:
