@@ -1,7 +1,7 @@
 """tests/gpu/trl_vllm_gpu.py (issue 34) on CPU: its own code, before it meets a GPU.
 
 - vLLM's log lines it reads (KV cache size, sleep, wake-up, out of memory), on
-  sample lines written in vLLM 0.33.0's format strings;
+  sample lines written in vLLM 0.31.0's format strings;
 - its CPU mode (tests/gpu/common.py: gloo, the fake NCCL behind AMemCallback, a
   stand-in for ``vllm.LLM`` under trl 1.16's real VLLMGeneration and GRPOTrainer):
   the order of trl's weight sync, vLLM's wake-ups, generate and sleep around the
@@ -40,7 +40,7 @@ TINY = ["--steps", "4", "--batch", "2", "--steps-per-generation", "2", "--num-ge
         "--hidden", "64", "--layers", "1", "--heads", "4", "--kv-heads", "2"]
 LIMIT_S = 500
 
-# Sample lines in vLLM 0.33.0's formats (the format strings of gpu_worker.py,
+# Sample lines in vLLM 0.31.0's formats (the format strings of gpu_worker.py,
 # kv_cache_utils.py, executor/abstract.py, cumem_allocator and torch's allocator),
 # with the prefixes its logger and an exception traceback put in front.
 SAMPLES = [

@@ -216,12 +216,12 @@ def test_environment_puts_the_bundle_first_and_preloads_nccl_once_unpacked(tmp_p
 
 
 def test_audit_names_the_requirements_no_list_accounts_for(tmp_path):
-    known = ["torch==2.14.0", "flashinfer-python==0.7.2.post1", "regex",
+    known = ["torch==2.13.0", "flashinfer-python==0.7.0.post1", "regex",
              "typing_extensions>=4.10", "Pillow>=13.0.0", "llguidance<1.8.0,>=1.7.0; "
              "platform_machine == \"x86_64\"", "tensorizer==2.10.1; extra == \"tensorizer\""]
-    wheel = fake_wheel(str(tmp_path), "vllm", "0.33.0", known)
+    wheel = fake_wheel(str(tmp_path), "vllm", "0.31.0", known)
     assert vb.audit(wheel) == []
-    wheel = fake_wheel(str(tmp_path / "new"), "vllm", "0.33.0",
+    wheel = fake_wheel(str(tmp_path / "new"), "vllm", "0.31.0",
                        known + ["brand_new.kernels>=1", "another (>=2)"])
     assert vb.audit(wheel) == ["another", "brand-new-kernels"]
 
@@ -235,7 +235,9 @@ def test_what_travels_is_pinned_once_and_no_list_contradicts_another():
     image = {vb.canonical(n) for n in vb.IN_IMAGE}
     assert not carried & skipped and not carried & image and not skipped & image
     assert {"vllm", "torch", "triton", "torchvision", "trl", "datasets"} <= carried
-    assert dict(p.split("==") for p in pins)["torch"] == "2.14.0"
+    # the versions trl 1.16 supports: its vllm extra pins vllm<=0.31.0, which pins torch 2.13.0
+    assert dict(p.split("==") for p in pins)["vllm"] == "0.31.0"
+    assert dict(p.split("==") for p in pins)["torch"] == vb.carried("torch") == "2.13.0"
 
 
 def test_unmet_requirements_says_which_may_stay_unmet(tmp_path, monkeypatch):
@@ -246,12 +248,18 @@ def test_unmet_requirements_says_which_may_stay_unmet(tmp_path, monkeypatch):
         "Metadata-Version: 2.1\nName: amemfakevllm\nVersion: 1.0\n"
         "Requires-Dist: amem-no-such-package>=1\nRequires-Dist: flashinfer-python==0.7.2\n"
         "Requires-Dist: packaging\nRequires-Dist: pytest>=99999\n"
+        "Requires-Dist: nvidia-nccl-cu13==1.0\n"
         "Requires-Dist: amem-only-with-extra; extra == \"x\"\n")
     monkeypatch.syspath_prepend(str(site))
     rows = {row[1]: row for row in vb.unmet_requirements(["amemfakevllm", "amem-not-installed"])}
     assert rows["amem-no-such-package>=1"][2:] == (None, None)
     assert rows["flashinfer-python==0.7.2"][3] == vb.NOT_CARRIED["flashinfer-python"]
     assert rows["pytest>=99999"][2] is not None  # installed, too old: named with its version
+    # another version on purpose (NCCL preloaded): named with the reason, so check passes
+    assert rows["nvidia-nccl-cu13==1.0"][3] == vb.OTHER_VERSION_OK["nvidia-nccl-cu13"]
+    monkeypatch.setitem(vb.NOT_CARRIED, "amem-absent-optional", "not on the colocate path")
+    assert vb.unmet_requirements(["amem-absent-optional"]) == [  # a NOT_CARRIED dist, absent
+        ("amem-absent-optional", "amem-absent-optional", None, "not on the colocate path")]
     assert rows["amem-not-installed"] == ("amem-not-installed", "amem-not-installed", None, None)
     assert not any("packaging" in key or "extra" in key for key in rows)
 

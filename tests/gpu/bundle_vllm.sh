@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fill the ignored folder .gpu/vllm with what a colocated vLLM 0.33 in TRL 1.16's
+# Fill the ignored folder .gpu/vllm with what a colocated vLLM 0.31 in TRL 1.16's
 # GRPOTrainer needs on the GPU machine beyond its image, cut into parts that fit
 # one device call each (64 MiB per call, the working tree included):
 #
@@ -10,9 +10,9 @@
 # Re-cut right before the device calls: the part size is what a call carries
 # beside the working tree as it is now (tests/gpu/vllm_bundle.py part_bytes_for).
 #
-# What travels and why: CARRIED in tests/gpu/vllm_bundle.py (vLLM, torch 2.14.0,
-# triton 3.8.0, torchvision 0.29.0, trl, datasets and the small packages vLLM imports
-# on that path), plus NCCL 2.30.7 (torch 2.14's pin; several ranks on one GPU need
+# What travels and why: CARRIED in tests/gpu/vllm_bundle.py (vLLM 0.31.0, the newest
+# trl 1.16 supports; torch 2.13.0, triton 3.7.1, torchvision 0.28.0, trl, datasets and
+# the small packages vLLM imports on that path), plus NCCL 2.30.7 (several ranks on one GPU need
 # >= 2.30) from ../shared/tools/device-nccl. Every requirement of the vLLM wheel must
 # be carried, in the image or named in NOT_CARRIED with a reason, or this stops.
 #
@@ -71,7 +71,7 @@ if extra or missing or wrong:
     sys.exit(f"{folder}: not one wheel per pin: extra {extra}, missing {missing}, wrong {wrong}: "
              "remove the folder and run again")
 PY
-python3 tests/gpu/vllm_bundle.py audit "$WHEELS"/vllm-0.33.0-*.whl
+python3 tests/gpu/vllm_bundle.py audit "$WHEELS"/vllm-"$(python3 tests/gpu/vllm_bundle.py version vllm)"-*.whl
 
 if [[ ! -f "$NCCL_XZ" ]]; then
     ../shared/tools/device-nccl "$(dirname "$NCCL_XZ")" "$NCCL_VERSION" 90

@@ -1,4 +1,4 @@
-"""Issue 34: TRL GRPO with a colocated vLLM 0.33 (sleep mode), with and without
+"""Issue 34: TRL GRPO with a colocated vLLM 0.31 (sleep mode), with and without
 AMemCallback. Does the NCCL memory the package frees become vLLM's KV cache?
 
 vLLM sizes its KV cache once, at start-up, from ``vllm_gpu_memory_utilization``;
@@ -83,7 +83,7 @@ CODE_FILES = ("tests/gpu/trl_vllm_gpu.py", "tests/gpu/vllm_bundle.py", "adapters
               "adapters/_trl_groups.py", "amem_callbacks/headroom.py")
 
 # --- vLLM's own log lines ------------------------------------------------------------
-# From vLLM 0.33.0's format strings: vllm/v1/worker/gpu_worker.py (KV memory, sleep,
+# From vLLM 0.31.0's format strings (the same in 0.34.0): vllm/v1/worker/gpu_worker.py (KV memory, sleep,
 # start-up check), vllm/v1/core/kv_cache_utils.py (cache size),
 # vllm/v1/executor/abstract.py (wake-up), vllm/cumem_allocator (its CUDA error text),
 # torch's allocator. The numbers are vLLM's rounding (GiB to 2 decimals).
@@ -219,7 +219,7 @@ class StandInLLM:
     """What trl 1.16's VLLMGeneration calls on ``vllm.LLM`` in colocate mode, on CPU:
     sleep/wake_up by tag, generate, reset_prefix_cache, and the model whose
     ``load_weights`` trl's weight sync calls. It logs vLLM's KV-cache lines in vLLM
-    0.33's format from a cache sized like vLLM's (share x total - non-KV memory), so
+    0.31's format from a cache sized like vLLM's (share x total - non-KV memory), so
     the parsing below runs on this driver's real path, and refuses a share above the
     free memory at start-up with vLLM's message, so the failure path does too."""
 

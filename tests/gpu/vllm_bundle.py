@@ -1,17 +1,23 @@
-"""vLLM 0.33 on the GPU machine: which wheels travel, how they are cut into parts
+"""vLLM 0.31 on the GPU machine: which wheels travel, how they are cut into parts
 that fit one device call each, and how the parts become an installed stack there.
 
 The GPU machine reaches no registry and takes at most 64 MiB per call, the
 working tree included (/work/.library/device/README.md). Its image has Python
 3.12, torch 2.11.0+cu130, transformers 5.17, accelerate 1.15, numpy, pillow,
 aiohttp, prometheus-client and the CUDA 13 libraries, but no vLLM, trl,
-datasets, pydantic, fastapi, openai or pyzmq. vLLM 0.33.0 pins torch==2.14.0,
-which pins triton~=3.8.0 and NCCL 2.30.7: those travel too and shadow the
-image's copies through PYTHONPATH, while torch 2.14 loads the image's CUDA
-libraries (it looks for ``nvidia/*/lib`` on sys.path; FIELD-NOTES section 7
-ran torch 2.14 there this way). NCCL 2.30.7 (several ranks on one GPU need
->= 2.30, and torch 2.14 is built against it) travels as the 30 MB xz file of
-``../shared/tools/device-nccl`` and is preloaded.
+datasets, pydantic, fastapi, openai or pyzmq.
+
+Why vLLM 0.31.0, not the newest (0.34.0): trl 1.16.0 supports vLLM 0.22.0-0.31.0
+(its ``vllm`` extra pins ``vllm<=0.31.0``, and ``trl.import_utils`` warns on any other
+version), so a TRL user who installs ``trl[vllm]`` runs 0.31.0. Checked on CPU
+(Python 3.12, an image-like venv, the carried wheels on top, NCCL 2.30.7 preloaded):
+every colocate module imports but the two that need the CUDA driver. vLLM 0.31.0 pins
+torch==2.13.0, which pins triton==3.7.1 and NCCL 2.29.7: torch, triton and
+torchvision travel and shadow the image's copies through PYTHONPATH, while torch 2.13
+loads the image's CUDA 13 libraries (it looks for ``nvidia/*/lib`` on sys.path;
+FIELD-NOTES section 7 ran torch 2.14 there this way). NCCL 2.30.7 (several ranks on
+one GPU need >= 2.30; 2.29.7 refuses them) travels as the 30 MB xz file of
+``../shared/tools/device-nccl`` and is preloaded in place of torch's 2.29.7.
 
 Here (tests/gpu/bundle_vllm.sh): ``pins`` -> pip download -> ``split``.
 There, one call per part, back to back (the machine keeps /tmp only while it
@@ -59,20 +65,21 @@ _BUF = 1 << 20
 
 # --- what travels -------------------------------------------------------------------
 #: name==version -> why it travels. The image lacks the package, or has a version
-#: vLLM 0.33.0 / torch 2.14.0 / trl 1.16.0 cannot run with. Module-level imports
+#: vLLM 0.31.0 / torch 2.13.0 / trl 1.16.0 cannot run with. Module-level imports
 #: below are read from the wheels' sources on the colocate path (vllm.LLM, the V1
 #: engine core in-process, UniProc/external-launcher executor, gpu_worker,
 #: gpu_model_runner, Qwen2, the FlashAttention backend, cumem sleep mode, the
 #: weight-transfer modules trl's vllm_client imports) and confirmed by importing
 #: them on CPU with only these on top of the image's packages.
 CARRIED = {
-    "vllm==0.33.0": "the engine",
-    "torch==2.14.0": "vLLM 0.33.0's pin: its _C and flash-attention kernels are built "
+    "vllm==0.31.0": "the engine, at the newest version trl 1.16.0 supports (its vllm "
+                    "extra: vllm<=0.31.0)",
+    "torch==2.13.0": "vLLM 0.31.0's pin: its _C and flash-attention kernels are built "
                      "against it (the image has 2.11.0)",
-    "triton==3.8.0": "torch 2.14.0 pins triton~=3.8.0 (inductor, vLLM's Triton kernels); "
+    "triton==3.7.1": "torch 2.13.0 pins triton==3.7.1 (inductor, vLLM's Triton kernels); "
                      "the image has 3.6.0",
-    "torchvision==0.29.0": "vLLM's pin, built for torch 2.14: the image's 0.26 raises "
-                           "'operator torchvision::nms does not exist' under torch 2.14, and "
+    "torchvision==0.28.0": "vLLM's pin, built for torch 2.13: the image's 0.26 raises "
+                           "'operator torchvision::nms does not exist' under a newer torch, and "
                            "vllm.entrypoints.llm imports torchvision (through transformers)",
     "pydantic==2.13.4": "vllm.config (module level); the version the Megatron bundle ran there",
     "pydantic-core==2.46.4": "pydantic 2.13.4's pin",
@@ -94,7 +101,7 @@ CARRIED = {
                            "from vllm.config",
     "partial-json-parser==0.2.1.1.post7": "vllm.tool_parsers.utils, reached from "
                                           "vllm.v1.structured_output",
-    "xgrammar==0.2.8": "vllm.parser.harmony (module level), reached from "
+    "xgrammar==0.2.7": "vllm.parser.harmony (module level), reached from "
                        "vllm.v1.structured_output",
     "apache-tvm-ffi==0.1.11": "xgrammar imports tvm_ffi; vLLM pins 0.1.11",
     "llguidance==1.7.6": "vllm.v1.structured_output imports backend_guidance, whose class "
@@ -105,7 +112,7 @@ CARRIED = {
     "multiprocess==0.70.19": "datasets",
 }
 
-#: vLLM 0.33.0's other requirements: in the image (IN_IMAGE), or not imported on the
+#: vLLM 0.31.0's other requirements: in the image (IN_IMAGE), or not imported on the
 #: colocate path (why), so they stay here. ``audit`` fails when vLLM names one that
 #: is in none of the three; ``check`` on the GPU machine lists the unmet ones.
 NOT_CARRIED = {
@@ -148,6 +155,26 @@ NOT_CARRIED = {
     "opentelemetry-semantic-conventions-ai": "tracing, imported in a try block",
 }
 
+#: requirements the stack meets at another version than pinned, on purpose: ``check``
+#: names them with the reason instead of failing (read from its CPU run, 2026-12-02:
+#: every colocate module imported with these versions, but the two that need the CUDA
+#: driver)
+OTHER_VERSION_OK = {
+    "nvidia-nccl-cu13": "NCCL 2.30.7 is preloaded in its place: several ranks on one GPU "
+                        "need >= 2.30 (torch 2.13's 2.29.7 refuses them)",
+    "cuda-toolkit": "torch runs on the image's CUDA 13 libraries (nvidia/*/lib, the same "
+                    "major); the wheels of the pinned minor do not travel",
+    "nvidia-cudnn-cu13": "the image's cuDNN; the compatibility check is skipped "
+                         "(environment: PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK) and nothing on "
+                         "the colocate path runs a cuDNN kernel",
+    "nvidia-cusparselt-cu13": "the image's; sparse matmuls only, not on the colocate path",
+    "numba": "vLLM imports numba for n-gram speculative decoding and inside a helper "
+             "function only (v1/spec_decode/ngram_proposer.py, utils/jit_monitor.py)",
+    "setuptools": "vLLM's upper bound guards its build; no colocate module imports it",
+    "jiter": "openai imports it for streamed chat-completion parsing only "
+             "(openai/lib/streaming), not reached from vLLM's protocol types",
+}
+
 #: vLLM's, torch's and trl's requirements the image already has (KINDS.md "Python
 #: packages already there"; torchaudio at vLLM's own pin, 2.11.0); ``check`` there
 #: compares their versions with the specifiers.
@@ -179,6 +206,12 @@ def canonical(name: str) -> str:
     while "--" in out:
         out = out.replace("--", "-")
     return out
+
+
+def carried(name: str) -> str:
+    """The version of ``name`` that travels (CARRIED's pin)."""
+    versions = {canonical(p.split("==")[0]): p.split("==")[1] for p in CARRIED}
+    return versions[canonical(name)]
 
 
 def pins() -> list:
@@ -490,11 +523,11 @@ def install(store: str = STORE, site: str = SITE, nccl_dir: str = NCCL_DIR,
 def environment(base: Optional[dict] = None, site: str = SITE, nccl_dir: str = NCCL_DIR,
                 root: str = ROOT) -> dict:
     """The environment a process runs the bundle in: ``site`` first on PYTHONPATH,
-    so torch 2.14, triton 3.8 and torchvision 0.29 win over the image's 2.11/3.6/0.26,
+    so the carried torch, triton and torchvision win over the image's 2.11/3.6/0.26,
     then the repository; the image's site-packages stay on sys.path after them, and
-    torch 2.14 finds the image's CUDA 13 libraries there (``nvidia/*/lib``). NCCL
-    2.30.7 is preloaded: torch 2.14 is built against it and several ranks on one GPU
-    need >= 2.30. Everything else of ``base`` (default: os.environ) is kept, the
+    the carried torch finds the image's CUDA 13 libraries there (``nvidia/*/lib``).
+    NCCL 2.30.7 is preloaded: several ranks on one GPU need >= 2.30 (torch 2.13's own
+    2.29.7 refuses them). Everything else of ``base`` (default: os.environ) is kept, the
     image's NCCL_NVLS_ENABLE=0 included. Without the unpacked library (not installed
     yet) nothing is preloaded."""
     env = dict(os.environ if base is None else base)
@@ -503,7 +536,7 @@ def environment(base: Optional[dict] = None, site: str = SITE, nccl_dir: str = N
     if os.path.isfile(library) and library not in env.get("LD_PRELOAD", ""):
         env["LD_PRELOAD"] = " ".join(p for p in (library, env.get("LD_PRELOAD")) if p)
     env.setdefault("NCCL_MULTI_RANK_GPU_ENABLE", "1")
-    # torch 2.14 is built against cuDNN 9.24 and refuses an older minor at its first
+    # torch 2.13 is built against cuDNN 9.20 and refuses an older minor at its first
     # cuDNN call; the image's cuDNN is torch 2.11's. Nothing on the colocate path runs
     # cuDNN kernels (no convolutions; vLLM attends with FlashAttention 3, the trainer
     # with eager attention): the check is what would fail, not a kernel.
@@ -528,7 +561,7 @@ def unmet_requirements(dists: Iterable[str] = ("vllm", "trl", "datasets", "torch
         try:
             requires = metadata.requires(dist) or []
         except metadata.PackageNotFoundError:
-            rows.append((dist, dist, None, None))
+            rows.append((dist, dist, None, _why_unmet(dist)))
             continue
         for text in requires:
             req = Requirement(text)
@@ -541,10 +574,17 @@ def unmet_requirements(dists: Iterable[str] = ("vllm", "trl", "datasets", "torch
             if have is not None and (not req.specifier or req.specifier.contains(
                     have, prereleases=True)):
                 continue
-            why = NOT_CARRIED.get(req.name) or next(
-                (w for n, w in NOT_CARRIED.items() if canonical(n) == canonical(req.name)), None)
-            rows.append((dist, str(req), have, why))
+            rows.append((dist, str(req), have, _why_unmet(req.name)))
     return rows
+
+
+def _why_unmet(name: str) -> Optional[str]:
+    """Why ``name`` may stay unmet (NOT_CARRIED, OTHER_VERSION_OK), or None."""
+    for reasons in (NOT_CARRIED, OTHER_VERSION_OK):
+        why = next((w for n, w in reasons.items() if canonical(n) == canonical(name)), None)
+        if why:
+            return why
+    return None
 
 
 _CHECK = r"""
@@ -596,10 +636,10 @@ def check(site: str = SITE, python: str = sys.executable, timeout_s: float = 300
                          f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     result = json.loads(lines[-1])
     # several ranks on one GPU need NCCL >= 2.30 (the preloaded 2.30.7, code 23007),
-    # not the image's 2.28.9 that torch 2.14 would otherwise load from sys.path
+    # not the image's 2.28.9 that the carried torch would otherwise load from sys.path
     result["ok"] = (all(row["ok"] for row in result["imports"].values())
                     and not [r for r in result["unmet"] if r[3] is None]
-                    and str(result["versions"].get("torch", "")).startswith("2.14.0")
+                    and str(result["versions"].get("torch", "")).startswith(carried("torch"))
                     and (result.get("nccl_loaded") or 0) >= 23000)
     return result
 
@@ -609,6 +649,8 @@ def main(argv: Optional[list] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("pins", help="the carried wheels, name==version, one a line")
+    p = sub.add_parser("version", help="the carried version of NAME")
+    p.add_argument("name")
     p = sub.add_parser("audit", help="vLLM requirements of WHEEL that no list accounts for")
     p.add_argument("wheel")
     p = sub.add_parser("split", help="cut SRC's files into parts under DEST")
@@ -628,6 +670,8 @@ def main(argv: Optional[list] = None) -> int:
 
     if args.command == "pins":
         print("\n".join(pins()))
+    elif args.command == "version":
+        print(carried(args.name))
     elif args.command == "audit":
         unknown = audit(args.wheel)
         if unknown:
