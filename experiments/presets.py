@@ -65,9 +65,9 @@ iteration (232 micro-batches of 1 a rank, three passes each at the measured 0.21
 run of 2 iterations 8-9 minutes (measured: about 10, start-up 115 s). Weights, gradients
 and optimizer 19.2 GiB a rank; 38.8 GiB a rank in all before torch's cache and
 fragmentation, which calibration measures (the recorded tiny_kv runs needed 1.26 x the
-same estimate; Qwen3's first iteration reserved 25.7 GB before the KV cache). The two step models bracket the
-tokens/s gain: x1.26 serial, x1.12 overlapped, against the goal x1.20; the curve
-measures which.
+same estimate; Qwen3's first iteration reserved 25.7 GB before the KV cache). The two
+step models bracket the tokens/s gain: x1.26 serial, x1.12 overlapped, against the goal
+x1.20; the curve measures which.
 
 What is scaled, and why: nothing of the model's shape. The KV cache (10.5 GiB of a
 rank's 69.9 GiB share) is held down by a stand-in allocation so that the freed NCCL
@@ -239,8 +239,9 @@ PRESETS = {
                "--micro-batch-size 1 --use-distributed-optimizer --overlap-grad-reduce "
                "--overlap-param-gather").split()),
         seq=64, block_tokens=32, prompts=64, group=8, buffer_gb=10.0, leave_gb=30.0, iters=2,
-        timeout_s=150.0, pass_s=TINY_KV_PASS_S, scaled="a KV-heavy toy: 224 heads x 256 channels on a 256-wide "
-        "model, learned positions (rotary needs heads x channels = hidden)"),
+        timeout_s=150.0, pass_s=TINY_KV_PASS_S,
+        scaled="a KV-heavy toy: 224 heads x 256 channels on a 256-wide model, learned "
+        "positions (rotary needs heads x channels = hidden)"),
     "qwen3_1_7b": Preset(
         "qwen3_1_7b", "Qwen3-1.7B's config.json (Qwen/Qwen3-1.7B)", QWEN3_1_7B,
         _rotary(QWEN3_1_7B, 544, 544, 58, 8), seq=544, block_tokens=544, prompts=58, group=8,

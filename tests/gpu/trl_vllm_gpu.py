@@ -83,7 +83,8 @@ CODE_FILES = ("tests/gpu/trl_vllm_gpu.py", "tests/gpu/vllm_bundle.py", "adapters
               "adapters/_trl_groups.py", "amem_callbacks/headroom.py")
 
 # --- vLLM's own log lines ------------------------------------------------------------
-# From vLLM 0.31.0's format strings (the same in 0.34.0): vllm/v1/worker/gpu_worker.py (KV memory, sleep,
+# vLLM 0.31.0's format strings (0.34.0's too):
+# vllm/v1/worker/gpu_worker.py (KV memory, sleep,
 # start-up check), vllm/v1/core/kv_cache_utils.py (cache size),
 # vllm/v1/executor/abstract.py (wake-up), vllm/cumem_allocator (its CUDA error text),
 # torch's allocator. The numbers are vLLM's rounding (GiB to 2 decimals).
