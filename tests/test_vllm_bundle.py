@@ -199,6 +199,34 @@ def test_install_puts_the_wheels_in_the_site_and_unpacks_nccl(tmp_path):
                                              "site": site}
 
 
+def test_packed_wheels_are_smaller_unpack_to_the_same_members_and_install(tmp_path):
+    src, packed = str(tmp_path / "src"), str(tmp_path / "packed")
+    os.makedirs(src)
+    wheel = fake_wheel(src, "amempacked", "1.0")
+    with zipfile.ZipFile(wheel, "a", zipfile.ZIP_DEFLATED) as z:  # compressible, like .so files
+        z.writestr("amempacked/table.bin", b"\x00\x01" * 50_000)
+    with lzma.open(os.path.join(src, "libnccl.so.2.xz"), "wb") as f:
+        f.write(b"nccl")
+    rows = vb.pack(src, packed)
+    assert [r[0] for r in rows] == ["amempacked-1.0-py3-none-any.whl"]
+    assert sorted(os.listdir(packed)) == ["amempacked-1.0-py3-none-any" + vb.PACKED,
+                                          "libnccl.so.2.xz"]  # the library copied as it is
+    manifest = vb.split(packed, str(tmp_path / "out"), 900)
+    store, site, nccl = (str(tmp_path / n) for n in ("store", "site", "nccl"))
+    for part in manifest["parts"]:
+        vb.receive(str(tmp_path / "out" / part["part"]), store)
+    done = vb.install(store, site, nccl)
+    assert done["wheels"] == ["amempacked-1.0-py3-none-any.whl"]
+    assert open(os.path.join(nccl, "libnccl.so.2"), "rb").read() == b"nccl"
+    with zipfile.ZipFile(wheel) as a:
+        members = {i.filename: a.read(i) for i in a.infolist()}
+    assert os.path.getsize(os.path.join(packed, "amempacked-1.0-py3-none-any" + vb.PACKED)) \
+        < os.path.getsize(wheel)
+    for name, data in members.items():  # installed from the unpacked wheel, byte for byte
+        if name.startswith("amempacked/"):
+            assert open(os.path.join(site, name), "rb").read() == data
+
+
 def test_environment_puts_the_bundle_first_and_preloads_nccl_once_unpacked(tmp_path):
     site, nccl = str(tmp_path / "site"), str(tmp_path / "nccl")
     base = {"PYTHONPATH": "/image/extra", "NCCL_NVLS_ENABLE": "0", "LD_PRELOAD": "/x.so"}

@@ -44,6 +44,8 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
+import zipfile
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
@@ -239,14 +241,70 @@ def audit(wheel: str) -> list:
     """The requirements of ``wheel`` (a vllm wheel) that are neither carried, nor in
     the image, nor named in NOT_CARRIED with a reason: a different vLLM build than
     the one these lists were read from. Empty when every requirement is accounted for."""
-    import zipfile
-
     with zipfile.ZipFile(wheel) as z:
         text = z.read(next(n for n in z.namelist()
                            if n.endswith(".dist-info/METADATA"))).decode()
     known = ({canonical(p.split("==")[0]) for p in CARRIED} | {canonical(n) for n in IN_IMAGE}
              | {canonical(n) for n in NOT_CARRIED})
     return sorted(set(n for n in requirement_names(text) if n not in known))
+
+
+# --- packing: fewer parts ------------------------------------------------------------
+#: a packed wheel's suffix: the wheel re-written with stored (uncompressed) members, then xz
+PACKED = ".whl.xz"
+
+
+def pack(src: str, dest: str, xz_threads: int = 0) -> list:
+    """Every wheel of ``src`` as ``dest/NAME.whl.xz``, other files copied as they are.
+    A wheel's members are deflated one by one; re-written stored and compressed whole
+    with xz they take about 30 % less (vLLM 0.31.0's 320.6 MB wheel: 221.6 MB), so the
+    bundle needs fewer device calls. The members' bytes, names and modes do not change,
+    so the wheel's RECORD still holds and pip installs the unpacked file as it is.
+    Returns (name, bytes before, bytes after) rows."""
+    os.makedirs(dest, exist_ok=True)
+    rows = []
+    for name in sorted(os.listdir(src)):
+        path = os.path.join(src, name)
+        if not os.path.isfile(path):
+            continue
+        if not name.endswith(".whl"):
+            shutil.copyfile(path, os.path.join(dest, name))
+            continue
+        target = os.path.join(dest, name[:-4] + PACKED)
+        with tempfile.NamedTemporaryFile(dir=dest, suffix=".zip", delete=False) as stored:
+            with zipfile.ZipFile(path) as wheel, zipfile.ZipFile(stored, "w") as out:
+                for info in wheel.infolist():
+                    member = zipfile.ZipInfo(info.filename, info.date_time)
+                    member.external_attr = info.external_attr
+                    out.writestr(member, wheel.read(info), zipfile.ZIP_STORED)
+        try:
+            _xz(stored.name, target, xz_threads)
+        finally:
+            os.remove(stored.name)
+        rows.append((name, os.path.getsize(path), os.path.getsize(target)))
+    return rows
+
+
+def _xz(src: str, target: str, threads: int) -> None:
+    """xz with every core where the xz tool is here (minutes for torch's wheel), else
+    the standard library's lzma (one core)."""
+    xz = shutil.which("xz")
+    if xz:
+        with open(target, "wb") as out:
+            subprocess.run([xz, f"-T{threads}", "-6", "-c", src], stdout=out, check=True)
+        return
+    with open(src, "rb") as f, lzma.open(target, "wb", preset=6) as out:
+        shutil.copyfileobj(f, out, _BUF)
+
+
+def unpack_wheel(path: str) -> str:
+    """Device side: ``NAME.whl.xz`` -> ``NAME.whl`` beside it (stdlib lzma: the image may
+    lack xz); the packed file is removed. Returns the wheel's path."""
+    wheel = path[:-3]
+    with lzma.open(path) as src, open(wheel, "wb") as out:
+        shutil.copyfileobj(src, out, _BUF)
+    os.remove(path)
+    return wheel
 
 
 # --- parts ---------------------------------------------------------------------------
@@ -500,6 +558,7 @@ def install(store: str = STORE, site: str = SITE, nccl_dir: str = NCCL_DIR,
             if f.read().strip() == manifest["bundle_id"]:
                 return {"installed": False, "why": "already installed", "site": site}
     files = assemble(store, os.path.join(store, "files"))
+    files = [unpack_wheel(p) if p.endswith(PACKED) else p for p in files]
     wheels = [p for p in files if p.endswith(".whl")]
     subprocess.run([python, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
                     "--no-compile", "--no-cache-dir", "--upgrade", "--target", site, *wheels],
@@ -653,6 +712,10 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("name")
     p = sub.add_parser("audit", help="vLLM requirements of WHEEL that no list accounts for")
     p.add_argument("wheel")
+    p = sub.add_parser("pack", help="SRC's wheels as DEST/NAME.whl.xz (stored, then xz), "
+                                    "other files copied")
+    p.add_argument("src")
+    p.add_argument("dest")
     p = sub.add_parser("split", help="cut SRC's files into parts under DEST")
     p.add_argument("src")
     p.add_argument("dest")
@@ -681,6 +744,9 @@ def main(argv: Optional[list] = None) -> int:
             return 1
         print(f"every requirement of {os.path.basename(args.wheel)} is carried, in the image "
               "or not imported on the colocate path")
+    elif args.command == "pack":
+        for name, before, after in pack(args.src, args.dest):
+            print(f"{before / 1e6:8.1f} MB -> {after / 1e6:7.1f} MB  {name}")
     elif args.command == "split":
         tree = tree_bytes()
         size = args.part_bytes or part_bytes_for(tree)
