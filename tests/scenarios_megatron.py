@@ -633,8 +633,14 @@ def kv_growth(args):
         engine.resume()
         drain(engine)
         resumed = controller.session.freed()  # what the resume left running
-        steps = 0  # on a busy CPU the suspends may outlast the steps: step until grown
-        while steps < args.get("steps", 120) or (controller.growth.waiting and steps < 5000):
+        # On a busy CPU the suspends may outlast the steps: step until grown, then at
+        # least as many steps again, so the grown part is never a sliver of the rollout
+        # (else its measured rate could lose to the launch size's by chance, as on CI).
+        steps = waited = 0
+        while steps < 5000 and (steps < args.get("steps", 120) or controller.growth.waiting
+                                or steps < 2 * waited):
+            if controller.growth.waiting:
+                waited = steps + 1
             engine._loop.run_until_complete(engine.async_step())
             steps += 1
         engine.waiting_request_ids.clear()  # every request done: the rollout is over
