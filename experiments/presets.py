@@ -69,6 +69,10 @@ same estimate; Qwen3's first iteration reserved 25.7 GB before the KV cache). Th
 step models bracket the tokens/s gain: x1.26 serial, x1.12 overlapped, against the goal
 x1.20; the curve measures which.
 
+``--sequences-per-bin N`` (``Preset.packed``) trains in Megatron's sequence-packing bins of
+N sequences: the training term counts N times fewer passes, each assumed to cost what
+one sequence's did (unmeasured), and a bin's activations; the rollout is unchanged.
+
 What is scaled, and why: nothing of the model's shape. The KV cache (10.5 GiB of a
 rank's 69.9 GiB share) is held down by a stand-in allocation so that the freed NCCL
 memory is 15-50 % of it, as in a job whose model and optimizer fill the GPU (here two
@@ -126,6 +130,9 @@ STARTUP_S, SHUTDOWN_S = 58.0, 10.0
 #: timeout). Qwen3's FLOPs are ~10 ms of its 215 ms: a pass is bound by the RL loop's
 #: Python and kernel launches (micro-batches of 1: COMMON says why).
 TINY_KV_PASS_S, QWEN3_PASS_S = 0.033, 0.215
+#: what training held beyond the plan's model state and activations: Qwen3-1.7B's first
+#: iteration reserved 25.7 GB before the KV cache against 21.6 GiB planned (2026-12-02b)
+TRAINING_UNCOUNTED = int(25.7e9) - int(21.6 * GiB)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,15 +180,41 @@ class Preset:
     timeout_s: float
     pass_s: float  # one micro-batch's pass beyond its FLOPs (TINY_KV_PASS_S, QWEN3_PASS_S)
     scaled: str = ""
+    #: sequences a training micro-batch: above 1, Megatron's own sequence packing
+    #: (``--rl-use-sequence-packing``) in bins of that many sequences (``packed``)
+    per_bin: int = 1
 
     @property
     def requests(self) -> int:
         return self.prompts * self.group
 
+    @property
+    def bin_tokens(self) -> int:
+        """A training micro-batch's tokens (``--seq-length``)."""
+        return self.seq * self.per_bin
+
+    def packed(self, per_bin: int) -> "Preset":
+        """This preset trained in bins of ``per_bin`` sequences (Megatron's sequence
+        packing: fewer, longer passes, the same tokens); the rollout is unchanged
+        (``--inference-max-seq-length`` stays the sequence). The agent ends each capped
+        generation with eod, which packing requires (tests/gpu/capped_generations.py)."""
+        if per_bin < 1:
+            raise ValueError(f"--sequences-per-bin must be 1 or more, not {per_bin}")
+        if per_bin > 1 and self.model.learned_positions:
+            raise ValueError(f"--sequences-per-bin {per_bin}: {self.name} has learned "
+                             "positions, whose table is --seq-length long (a longer bin "
+                             "changes the model); write --sequences-per-bin 1")
+        return dataclasses.replace(self, per_bin=per_bin)
+
     def train_rl_flags(self, iters: int, buffer_gb: float) -> list:
-        return list(self.flags) + ["--train-iters", str(iters),
-                                   "--inference-dynamic-batching-buffer-size-gb",
-                                   f"{buffer_gb:g}"]
+        flags = list(self.flags)
+        if self.per_bin > 1:
+            for name in ("--seq-length", "--max-position-embeddings"):
+                flags[flags.index(name) + 1] = str(self.bin_tokens)
+            flags += ["--rl-use-sequence-packing",
+                      "--rl-sequence-packing-max-sequences-per-bin", str(self.per_bin)]
+        return flags + ["--train-iters", str(iters),
+                        "--inference-dynamic-batching-buffer-size-gb", f"{buffer_gb:g}"]
 
     def wrapper_flags(self, leave_gb: Optional[float] = None, stop_after: int = 0) -> list:
         out = ["--amem-vocab", str(self.model.vocab), "--amem-memory-trace", "0.05"]
@@ -304,9 +337,11 @@ def model_state_bytes(model: Model, dp: int) -> int:
 
 
 def training_activation_bytes(preset: Preset) -> int:
-    m, s = preset.model, preset.seq
-    per_layer = s * m.hidden * (34 + 5 * m.heads * s / m.hidden)
-    logits = s * padded_vocab(m.vocab) * (2 + 4 + 4)  # bf16 logits, fp32 log-softmax, its grad
+    """A micro-batch's (a bin of ``per_bin`` sequences: the THD attention stand-in
+    attends each sequence on its own, so the score term is a sequence's)."""
+    m, s, b = preset.model, preset.seq, preset.bin_tokens
+    per_layer = b * m.hidden * (34 + 5 * m.heads * s / m.hidden)
+    logits = b * padded_vocab(m.vocab) * (2 + 4 + 4)  # bf16 logits, fp32 log-softmax, its grad
     return int(m.layers * per_layer + logits)
 
 
@@ -363,10 +398,13 @@ def simulate(requests: int, tokens: int, slots: int, step, *, grown_slots: int =
 def train_seconds(preset: Preset, ranks: int) -> float:
     """A training iteration outside its rollout: the old and reference log-prob
     passes (a forward each) and the training step, every sample padded to the
-    sequence, FLOPs shared by the ranks, plus each micro-batch's pass."""
+    sequence, FLOPs shared by the ranks, plus each micro-batch's pass (a bin's, with
+    sequence packing: assumed to cost what one sequence's did, the pass being bound by
+    the loop's Python and launches; unmeasured above one sequence)."""
     tokens = preset.requests * preset.seq
     flops = (2 + 2 + 6) * preset.model.params * tokens
-    return flops / FLOPS + 3 * math.ceil(preset.requests / ranks) * preset.pass_s
+    bins = math.ceil(math.ceil(preset.requests / ranks) / preset.per_bin)
+    return flops / FLOPS + 3 * bins * preset.pass_s
 
 
 def plan(preset: Preset, *, buffer_gb: Optional[float] = None, ranks: int = 2,
@@ -427,7 +465,8 @@ def plan(preset: Preset, *, buffer_gb: Optional[float] = None, ranks: int = 2,
         "memory_per_rank": memory, "need_per_rank": need, "share_per_rank": gpu_bytes // ranks,
         "standin_attention_growth": transient_grown - transient,
         "slack_gb": round((transient_grown - transient) / GiB + 0.75, 2),
-        "rollout": rollout, "train_s": train_s,
+        "rollout": rollout, "train_s": train_s, "sequences_per_bin": preset.per_bin,
+        "bins_per_rank": math.ceil(per_rank / preset.per_bin),
         "goals": {"tokens_per_s_ratio": 1 + 0.5 * (capacity_ratio - 1),
                   "concurrency_ratio": 0.9 * capacity_ratio},
     }
@@ -440,6 +479,10 @@ def plan(preset: Preset, *, buffer_gb: Optional[float] = None, ranks: int = 2,
         "a rollout lasts at least 30 s without the package":
             rollout["overlapped"]["without_s"] >= 30,
         "the run fits a rank's share of the GPU": need < out["share_per_rank"],
+        # calibrate's need is then the rollout's peak, so the control's bigger cache
+        # cannot fit (with sequence packing a bin's activations grow with it)
+        "training's peak stays under the rollout's":
+            memory["training_activations"] + TRAINING_UNCOUNTED < kv_bytes + transient,
     }
     return out
 
@@ -472,7 +515,9 @@ def lines(p: dict) -> list:
                    f"{r['with_s']:.1f} s with (tokens/s x{r['tokens_per_s_ratio']:.2f}; a "
                    f"step at the launch size {1000 * r['step_s_at_launch']:.0f} ms); a run of "
                    f"{p['iters']} iterations {r['run_s'][0]:.0f} s / {r['run_s'][1]:.0f} s")
-    out.append(f"training outside the rollout: {p['train_s']:.1f} s an iteration")
+    out.append(f"training outside the rollout: {p['train_s']:.1f} s an iteration "
+               f"({p['bins_per_rank']} micro-batches of {p['sequences_per_bin']} "
+               f"sequence{'s' if p['sequences_per_bin'] > 1 else ''} a rank)")
     out.append(f"goals: tokens/s x{p['goals']['tokens_per_s_ratio']:.3f}, concurrency "
                f"x{p['goals']['concurrency_ratio']:.3f}")
     out += [f"{'ok  ' if ok else 'FAIL'} {what}" for what, ok in p["checks"].items()]

@@ -87,7 +87,7 @@ GROWTH_COST_GOAL = 1.01
 
 
 def preset_of(args) -> presets.Preset:
-    return presets.PRESETS[args.preset]
+    return presets.PRESETS[args.preset].packed(getattr(args, "sequences_per_bin", 1))
 
 
 def flags(args, buffer_gb: float) -> list:
@@ -791,6 +791,9 @@ def main(argv=None) -> int:
     parser.add_argument("what", choices=("plan", "run", "calibrate", "curve", "merge", "plot"))
     parser.add_argument("out", nargs="?", default=None)
     parser.add_argument("--preset", choices=sorted(presets.PRESETS), default="tiny_kv")
+    parser.add_argument("--sequences-per-bin", type=int, default=1,
+                        help="train in bins of this many sequences (Megatron's sequence "
+                             "packing); 1: one sequence a micro-batch, as before")
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--first", type=int, default=0, help="index of the first pair")
     parser.add_argument("--control", action="store_true", help="run the control after the pairs")
@@ -823,7 +826,10 @@ def main(argv=None) -> int:
     parser.add_argument("--budget-s", type=float, default=1e9,
                         help="start no pair that would end after this many seconds")
     args = parser.parse_args(argv)
-    preset = preset_of(args)
+    try:
+        preset = preset_of(args)
+    except ValueError as error:
+        parser.error(str(error))
     for name, default in (("iters", preset.iters), ("buffer_gb", preset.buffer_gb),
                           ("leave_gb", preset.leave_gb), ("timeout", preset.timeout_s)):
         if getattr(args, name) is None:

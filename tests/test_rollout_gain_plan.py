@@ -234,7 +234,8 @@ def claims(preset: presets.Preset) -> dict:
     m = preset.model
     out = {"--num-layers": m.layers, "--hidden-size": m.hidden, "--num-attention-heads": m.heads,
            "--kv-channels": m.head_dim, "--ffn-hidden-size": m.ffn,
-           "--inference-max-seq-length": preset.seq, "--seq-length": preset.seq,
+           "--inference-max-seq-length": preset.seq, "--seq-length": preset.bin_tokens,
+           "--max-position-embeddings": preset.bin_tokens,
            "--inference-dynamic-batching-block-size": preset.block_tokens,
            "--grpo-prompts-per-step": preset.prompts, "--grpo-group-size": preset.group,
            "--global-batch-size": preset.requests, "--micro-batch-size": 1,
@@ -242,6 +243,9 @@ def claims(preset: presets.Preset) -> dict:
            "--inference-dynamic-batching-buffer-size-gb": preset.buffer_gb}
     if m.kv_heads != m.heads:
         out.update({"--group-query-attention": True, "--num-query-groups": m.kv_heads})
+    if preset.per_bin > 1:
+        out.update({"--rl-use-sequence-packing": True,
+                    "--rl-sequence-packing-max-sequences-per-bin": preset.per_bin})
     if m.learned_positions:
         out["--position-embedding-type"] = "learned_absolute"
     else:
@@ -280,6 +284,46 @@ def test_each_sides_command_line_is_what_the_experiment_claims(name, tmp_path, f
             assert str(flags.get(flag)) == value, (flag, flags.get(flag), value)
         assert "CUDA_VISIBLE_DEVICES" not in run.env or run.env["CUDA_VISIBLE_DEVICES"] == \
             os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def test_sequence_packing_trains_in_bins_and_leaves_the_rollout_as_it_was(tmp_path, fake_runs):
+    """--sequences-per-bin 2: train_rl.py packs two sequences a micro-batch (bins of
+    twice the sequence, Megatron's own flags), the rollout's flags unchanged; the plan
+    counts half the passes and a bin's activations."""
+    assert rollout_gain.main(["run", str(tmp_path), "--preset", "qwen3_1_7b", "--pairs", "1",
+                              "--sequences-per-bin", "2"]) == 0
+    packed = presets.PRESETS["qwen3_1_7b"].packed(2)
+    assert packed.bin_tokens == 2 * packed.seq == 1088
+    for run in fake_runs.started:
+        flags = last_values(megatron_rl_gpu.TINY + parse_command(run.argv)[2])
+        for flag, value in claims(packed).items():
+            value = f"{value:g}" if isinstance(value, float) else str(value)
+            assert str(flags.get(flag)) == value, (flag, flags.get(flag), value)
+    one, two = (presets.plan(presets.PRESETS["qwen3_1_7b"].packed(n)) for n in (1, 2))
+    assert (one["bins_per_rank"], two["bins_per_rank"]) == (232, 116)
+    assert two["train_s"] < one["train_s"] and two["launch"] == one["launch"]
+    assert two["waves"] == one["waves"]
+    for model in ("serial", "overlapped"):  # the same rollout; the run is shorter
+        a, b = one["rollout"][model], two["rollout"][model]
+        assert (a["without_s"], a["with_s"]) == (b["without_s"], b["with_s"])
+        assert all(y < x for x, y in zip(a["run_s"], b["run_s"]))
+    mem = "training_activations"
+    # two sequences' activations: the attention scores stay a sequence's, not a bin's
+    assert two["memory_per_rank"][mem] == pytest.approx(2 * one["memory_per_rank"][mem], rel=1e-6)
+    assert all(two["checks"].values()), two["checks"]
+    # four a bin: its activations come too close to the rollout's KV cache
+    four = presets.plan(presets.PRESETS["qwen3_1_7b"].packed(4))
+    assert not four["checks"]["training's peak stays under the rollout's"]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--preset", "tiny_kv", "--sequences-per-bin", "2"], "learned positions"),
+    (["--preset", "qwen3_1_7b", "--sequences-per-bin", "0"], "1 or more")])
+def test_a_bad_sequences_per_bin_stops_before_any_run(argv, says, tmp_path, fake_runs, capsys):
+    with pytest.raises(SystemExit) as stop:
+        rollout_gain.main(["run", str(tmp_path), *argv])
+    assert stop.value.code == 2 and says in capsys.readouterr().err
+    assert fake_runs.started == []
 
 
 def test_several_gpus_run_both_sides_of_a_pair_at_once_then_the_control_at_the_grown_size(
