@@ -225,10 +225,13 @@ class Preset:
         return out
 
 
-# Micro-batches of 1: the THD attention stand-in (tests/standins/megatron_thd_spec.py)
-# takes one sequence a pass, as get_logprobs always hands it packed THD; 4 failed in
-# megatron-core 0.19.2's rotary THD path on the GPU (2026-12-02c: "Sizes of tensors must
-# match", results/one_h200/rollout_gain_qwen3_dp2/attempt_2026-12-02c_micro_batch_4).
+# Micro-batches of 1: without sequence packing Megatron-LM's get_logprobs (and
+# train_rl.py's forward_step) pass THD parameters for ONE sequence of the micro-batch's
+# length whatever its size (megatron/rl/rl_utils.py, "a single-sequence default"), so 4
+# failed in megatron-core 0.19.2's rotary THD path on the GPU (2026-12-02c: "Sizes of
+# tensors must match", results/one_h200/rollout_gain_qwen3_dp2/attempt_2026-12-02c_
+# micro_batch_4). Several sequences a pass is what Megatron's packing is for
+# (``Preset.packed``, ``--sequences-per-bin``).
 COMMON = ("--micro-batch-size 1 --use-distributed-optimizer --overlap-grad-reduce "
           "--overlap-param-gather").split()
 
