@@ -87,7 +87,7 @@ GROWTH_COST_GOAL = 1.01
 
 
 def preset_of(args) -> presets.Preset:
-    return presets.PRESETS[args.preset].packed(getattr(args, "sequences_per_bin", 1))
+    return presets.PRESETS[args.preset].packed(args.sequences_per_bin)
 
 
 def flags(args, buffer_gb: float) -> list:
