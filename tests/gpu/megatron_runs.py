@@ -86,9 +86,14 @@ class Run:
         self.grace_s, self.poll_s = grace_s, poll_s
         self.start = time.monotonic()
         self._log = open(log, "w")
-        # A new session: rank 0's servers (coordinator, HTTP) die with the run.
-        self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        # Every process of the run carries this tag in its environment: torchrun starts
+        # each rank in a session of its own, and a rank that ends with os._exit leaves
+        # its forked servers running (measured: a curve point's two left 18 GiB each on
+        # the GPU, and the next run ran out of memory), out of reach of killpg.
+        self.tag = f"{name}-{os.getpid()}-{time.time_ns()}"
+        self.proc = subprocess.Popen(argv, cwd=ROOT, env={**env, RUN_TAG: self.tag},
+                                     stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
 
     def wait(self) -> dict:
         deadline, stop_at, stopped, read = self.start + self.timeout_s, None, None, 0
@@ -111,13 +116,50 @@ class Run:
         except ProcessLookupError:
             pass
         self.proc.wait()
+        left = kill_tagged(self.tag)
         self._log.close()
         outcome = {"name": self.name, "rc": rc, "hung": hung,
                    "seconds": round(time.monotonic() - self.start, 1),
                    "command": " ".join(self.argv), "log": self.log, "tail": tail(self.log)}
         if stopped:
             outcome["stopped"] = stopped
+        if left:
+            outcome["killed_after_exit"] = left
         return outcome
+
+
+RUN_TAG = "AMEM_EXPERIMENT_RUN"
+
+
+def tagged(tag: str) -> list:
+    """The pids whose environment holds ``RUN_TAG=tag`` (this user's processes)."""
+    needle = f"{RUN_TAG}={tag}".encode() + b"\0"
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle in f.read() + b"\0":
+                    out.append(int(entry))
+        except OSError:  # gone, or not ours to read
+            pass
+    return out
+
+
+def kill_tagged(tag: str, wait_s: float = 15.0) -> list:
+    """SIGKILL every process of the run still alive, and wait until they are gone
+    (their device memory is free only then); returns the pids it found."""
+    found = tagged(tag)
+    for pid in found:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + wait_s
+    while tagged(tag) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return found
 
 
 def _scan(path: str, offset: int, marks: tuple) -> tuple:
