@@ -46,7 +46,11 @@ coming from the engine's launch, before anything is suspended):
   peak_in_flight      the most requests the engine ran in one step (each made a
                       token), the rank that ran most; mean_in_flight its
                       time-weighted mean
-  wait_before_first_token_s  the request -> the first engine step, the slower rank
+  wait_before_first_step_s   the request -> the first engine step's start, the slower rank
+  wait_before_first_token_s  the request -> the end of the first engine step that made
+                      tokens (its tokens exist then), the slower rank; the goal reads
+                      the package's part of it, with minus without (Megatron's own
+                      request handling and prefill are on both sides)
   wait_before_kv_s    the request -> its first KV allocation, the slower rank
   generation_s        that allocation -> results back, the slower rank
   step_s              iteration to iteration (rollout, log-probs, training)
@@ -157,7 +161,8 @@ def _allocations(record: dict) -> list:
 def _rollout(records: dict, k: int) -> dict:
     """Rollout ``k``'s figures from every rank's steps, the slower rank's where they
     differ (the step goes on when every rank is back)."""
-    out = {"waits": [], "first_steps": [], "peaks": [], "means": [], "tokens": 0,
+    out = {"waits": [], "first_tokens": [], "first_steps": [], "peaks": [], "means": [],
+           "tokens": 0,
            "spans": [], "bound": [], "steps": 0}
     for record in records.values():
         windows = _windows(record)
@@ -168,6 +173,8 @@ def _rollout(records: dict, k: int) -> dict:
         if not steps:
             return {}
         out["waits"].append(steps[0]["began"] - asked)
+        first_token = next((s for s in steps if s["tokens"] > 0), steps[0])
+        out["first_tokens"].append(first_token["ended"] - asked)
         out["first_steps"].append(steps[0]["ended"] - steps[0]["began"])
         # in flight: the requests that ran in a step (each made one token)
         out["peaks"].append(max(s["tokens"] for s in steps))
@@ -180,7 +187,8 @@ def _rollout(records: dict, k: int) -> dict:
         out["steps"] += len(steps)
         out["max_requests"] = max(out.get("max_requests", 0), max(s["max_requests"]
                                                                    for s in steps))
-    return {"wait_before_first_token_s": max(out["waits"]),
+    return {"wait_before_first_step_s": max(out["waits"]),
+            "wait_before_first_token_s": max(out["first_tokens"]),
             "first_step_s": max(out["first_steps"]), "peak_in_flight": max(out["peaks"]),
             "mean_in_flight": _mean(out["means"]),
             "step_tokens_per_s": out["tokens"] / max(out["spans"]) if max(out["spans"]) > 0
@@ -224,7 +232,8 @@ def figures(prefix: str) -> dict:
         out["kv_allocations_per_rollout"] = [len(a) for a in kv]
     steps = [_rollout(records, k) for k in range(1, len(first["generations"]))]
     steps = [s for s in steps if s]
-    for key in ("wait_before_first_token_s", "first_step_s", "peak_in_flight",
+    for key in ("wait_before_first_step_s", "wait_before_first_token_s", "first_step_s",
+                "peak_in_flight",
                 "mean_in_flight", "step_tokens_per_s", "bound_step_fraction"):
         if steps:
             out[key] = _median([s[key] for s in steps])
@@ -236,6 +245,7 @@ def figures(prefix: str) -> dict:
     out["losses"] = [(it["iteration"], it["loss"]) for it in last["iterations"]]
     amem = first.get("amem") or {}
     if amem.get("installed"):
+        out["first_token_after_suspends_s"] = _first_token_after_suspends(records)
         out.update(_transition_figures(amem, len(first["generations"])))
         out.update(_growth_figures(amem))
     return out
@@ -268,6 +278,27 @@ def _phase_figures(records: dict) -> dict:
     trains = [r.get("train_step_seconds") or [] for r in records.values()]
     if all(trains):
         out["train_step_s"] = _median([max(step) for step in zip(*trains)])
+    return out
+
+
+def _first_token_after_suspends(records: dict) -> list:
+    """Per later rollout, the slower rank: its first token's time less the end of the
+    suspends its begin started in that rollout (negative: the token came first). About
+    0 means the engine's first step waited for them (the GPU does not run the engine's
+    work while NCCL pins the host backup it copies into)."""
+    out = []
+    for k in range(1, min((len(_windows(r)) for r in records.values()), default=0)):
+        lags = []
+        for record in records.values():
+            asked, back = _windows(record)[k]
+            begins = [t for t in (record.get("amem") or {}).get("transitions", [])
+                      if t.get("kind") == "begin" and not t.get("skipped")
+                      and asked - 1.0 <= t.get("started", -1e18) <= back]
+            steps = [s for s in _rows(record) if asked <= s["began"] <= back and s["tokens"] > 0]
+            if begins and steps:
+                lags.append(steps[0]["ended"] - (begins[0]["started"] + begins[0]["wall_seconds"]))
+        if len(lags) == len(records):
+            out.append(max(lags))
     return out
 
 
@@ -600,6 +631,11 @@ def merge(args) -> int:
                 "critical_fraction": _median([w["critical_fraction"] for w in withs]),
                 "step_time_ratio": result.ratio("step_s"), "pairs": len(pairs),
                 "wait_before_first_token_s": gain["wait_before_first_token_s"],
+                "extra_wait_before_first_token_s": gain["extra_wait_before_first_token_s"],
+                "first_step_s": gain["first_step_s"],
+                # about 0: the first token waited for the suspends, overlap or not
+                "first_token_after_suspends_s": [w.get("first_token_after_suspends_s")
+                                                 for w in withs],
                 "per_run": withs, "commands": commands}
     with open(os.path.join(out, "critical_path.json"), "w") as f:
         json.dump(critical, f, indent=1, default=str)
@@ -635,6 +671,7 @@ def gain_summary(result: Interleaved, control, commands: list) -> dict:
                 for side in result.sides}
 
     waits = per_side("wait_before_first_token_s")
+    extra_wait = None if None in waits.values() else waits[other] - waits[base]
     gain = {
         "sides": list(result.sides),
         "capacity_ratio": capacity, "capacity_ratio_spread": result.spread("kv_token_capacity"),
@@ -655,9 +692,10 @@ def gain_summary(result: Interleaved, control, commands: list) -> dict:
         "max_requests": per_side("max_requests"),
         "launch_max_requests": per_side("launch_max_requests"),
         "peak_in_flight": per_side("peak_in_flight"),
+        "wait_before_first_step_s": per_side("wait_before_first_step_s"),
         "wait_before_first_token_s": waits,
-        "extra_wait_before_first_token_s": None if None in waits.values()
-        else waits[other] - waits[base],
+        "extra_wait_before_first_token_s": extra_wait,
+        "first_step_s": per_side("first_step_s"),
         "step_tokens_per_s_ratio": result.ratio("step_tokens_per_s"),
         "rollout_s": per_side("rollout_s"),
         "generated_tokens_per_request": per_side("generated_tokens_per_request"),
@@ -680,8 +718,10 @@ def gain_summary(result: Interleaved, control, commands: list) -> dict:
                 None if None in (capacity, concurrency) else concurrency >= 0.9 * capacity,
             "tokens_per_s_ratio_at_least_1_plus_half_the_capacity_gain":
                 None if None in (capacity, tokens) else tokens >= 1 + 0.5 * (capacity - 1),
-            f"wait_before_first_token_at_most_{WAIT_GOAL_S}_s":
-                None if waits[other] is None else waits[other] <= WAIT_GOAL_S,
+            # the package's part: the side without it waits as long for Megatron's own
+            # request handling and prefill step (about 1.1 s measured on Qwen3's preset)
+            f"extra_wait_before_first_token_at_most_{WAIT_GOAL_S}_s":
+                None if extra_wait is None else extra_wait <= WAIT_GOAL_S,
             "iteration_time_ratio_below_1": None if step is None else step < 1.0,
             "control_fails": gain["control_fails"],
             f"at_least_{PAIRS_GOAL}_pairs": len(result.pairs) >= PAIRS_GOAL})

@@ -137,6 +137,27 @@ def test_figures_travel_through_the_store_as_json():
     assert f.as_dict()["amem/kv_cache/measured/tokens_per_s"] == pytest.approx(123.0)
 
 
+def test_the_first_token_is_counted_when_its_step_ends_not_when_it_starts():
+    """Measured on Qwen3's preset: the first step began 0.93 s after the request and
+    ended 3.4 s after it, behind the suspends; the figure is the later time."""
+    from amem_callbacks.adapters.megatron.meter import RolloutMeter
+
+    now = [0.0]
+    meter = RolloutMeter(clock=lambda: now[0])
+    context = types.SimpleNamespace(total_request_count=4, max_requests=8,
+                                    paused_request_count=0)
+    engine = types.SimpleNamespace(context=context, waiting_request_ids=[],
+                                   evicted_request_count=0)
+    for began, ended, ids in ((0.9, 1.0, []), (1.0, 3.4, [1, 2]), (3.4, 3.5, [1, 2])):
+        now[0] = began
+        meter.step_begins()
+        now[0] = ended
+        meter.step_ended(engine, {"active_request_ids": ids})
+    f = meter.finish(engine, grown=False, ready_at=3.3, resume_s=0.0)
+    assert (f.first_step_s, f.first_token_s, f.tokens) == (0.9, 3.4, 4)
+    assert f.seconds == pytest.approx(2.6) and f.ready_s == pytest.approx(3.3)
+
+
 # --- megatron-core 0.19.2's own code, on CPU stand-ins --------------------------------
 def _class(tree, name):
     return next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == name)

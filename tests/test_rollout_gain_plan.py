@@ -762,15 +762,20 @@ def test_the_pairs_merge_into_the_new_designs_figures(records):
     peak = min(REQUESTS, grown[-1]["amem/kv_cache/max_requests"])
     assert gain["peak_in_flight"] == {"without": launch // 4 * 4, "with": peak}
     assert gain["concurrency_ratio"] == pytest.approx(peak / (launch // 4 * 4))
-    # nothing waits for the suspends: in pair 0 the first step came before they were
-    # over (the package's own figures), and the wait is the issue's at most
+    # nothing waits for the suspends: in pair 0 the first tokens came before they were
+    # over (the package's own figures), and the package adds at most the issue's wait
     measured = first["amem"]["kv_growth"]["measured"][1]
     assert measured["amem/kv_cache/measured/ready_s"] > \
-        measured["amem/kv_cache/measured/first_token_s"]
-    assert gain["wait_before_first_token_s"]["with"] <= rollout_gain.WAIT_GOAL_S
+        measured["amem/kv_cache/measured/first_token_s"] >= \
+        measured["amem/kv_cache/measured/first_step_s"]
     assert gain["extra_wait_before_first_token_s"] == pytest.approx(
         gain["wait_before_first_token_s"]["with"] - gain["wait_before_first_token_s"]["without"])
-    assert gain["wait_before_kv_s"]["with"] <= gain["wait_before_first_token_s"]["with"]
+    assert gain["extra_wait_before_first_token_s"] <= rollout_gain.WAIT_GOAL_S
+    for side in ("without", "with"):  # the first step's start, then its tokens at its end
+        assert gain["wait_before_kv_s"][side] <= gain["wait_before_first_step_s"][side] \
+            < gain["wait_before_first_token_s"][side]
+    # the stand-in's suspends end after the first tokens: negative, as the overlap means
+    assert all(lag < 0 for run in pairs_after_suspends(gain) for lag in run)
     # one wave instead of two: fewer steps, each paid for in the probes' clock
     assert gain["rollout_tokens_per_s_ratio"] > 1.1 and gain["step_tokens_per_s_ratio"] > 1.1
     assert gain["generated_tokens_per_request"] == {"without": TOKENS, "with": TOKENS}
@@ -787,7 +792,7 @@ def test_the_pairs_merge_into_the_new_designs_figures(records):
         gain["concurrency_ratio"] >= 0.9 * gain["capacity_ratio"])
     assert goals["tokens_per_s_ratio_at_least_1_plus_half_the_capacity_gain"] == (
         gain["rollout_tokens_per_s_ratio"] >= 1 + 0.5 * (gain["capacity_ratio"] - 1))
-    assert goals["wait_before_first_token_at_most_0.1_s"] is True
+    assert goals["extra_wait_before_first_token_at_most_0.1_s"] is True
     assert goals["iteration_time_ratio_below_1"] == (gain["step_time_ratio"] < 1)
     assert goals["at_least_3_pairs"] is True and goals["control_fails"] is None
     assert gain["freed_fraction_of_kv"] == pytest.approx(
@@ -795,6 +800,11 @@ def test_the_pairs_merge_into_the_new_designs_figures(records):
     critical = json.load(open(os.path.join(out, "critical_path.json")))
     assert critical["pairs"] == 3 and critical["critical_path_s"] is not None
     assert critical["wait_before_first_token_s"] == gain["wait_before_first_token_s"]
+    assert critical["first_token_after_suspends_s"] == list(pairs_after_suspends(gain))
+
+
+def pairs_after_suspends(gain: dict):
+    return (p["results"]["with"]["first_token_after_suspends_s"] for p in gain["pairs"])
 
 
 def test_the_curve_says_more_kv_gave_more_tokens_per_second(records):

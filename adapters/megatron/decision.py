@@ -36,7 +36,8 @@ class RolloutFigures:
     evictions: int = 0
     peak_requests: int = 0  # most requests the engine ran at once
     max_requests: int = 0  # how many it could run at once at the end
-    first_token_s: float = 0.0  # rollout start to the first step
+    first_step_s: float = 0.0  # rollout start to the first step's start
+    first_token_s: float = 0.0  # rollout start to the end of the first step that made tokens
     ready_s: Optional[float] = None  # rollout start to the end of this rank's suspends
     regrow_s: float = 0.0  # the mid-rollout suspend, resize and resume
     resume_s: float = 0.0  # the engine's own resume (allocation, graph capture)
@@ -77,6 +78,7 @@ def combine(figures: list) -> RolloutFigures:
         evictions=max(f.evictions for f in figures),
         peak_requests=max(f.peak_requests for f in figures),
         max_requests=min(f.max_requests for f in figures),
+        first_step_s=max(f.first_step_s for f in figures),
         first_token_s=max(f.first_token_s for f in figures),
         ready_s=None if any(r is None for r in readies) else max(readies),
         regrow_s=max(f.regrow_s for f in figures), resume_s=max(f.resume_s for f in figures),

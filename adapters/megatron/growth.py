@@ -179,7 +179,7 @@ class KvCacheGrowth:
         self._previous = figures
         self.measured.append(figures)
         logger.info("amem_callbacks: rollout measured: %d tokens in %.2f s (%.0f tokens/s), "
-                    "first step %.2f s after its start, %d of %d steps short of room, %d "
+                    "first token %.2f s after its start, %d of %d steps short of room, %d "
                     "evictions, up to %d of %d requests at once, %s", figures.tokens,
                     figures.seconds, figures.tokens_per_s, figures.first_token_s,
                     figures.bound_steps, figures.steps, figures.evictions,

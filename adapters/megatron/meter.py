@@ -51,6 +51,7 @@ class RolloutMeter:
         self.figures = RolloutFigures()
         self._evictions_at_start = engine_evictions
         self._first_step: Optional[float] = None
+        self._first_token: Optional[float] = None  # the end of the first step with tokens
         self._last_step_end: Optional[float] = None
 
     def step_begins(self) -> None:
@@ -60,11 +61,14 @@ class RolloutMeter:
     def step_ended(self, engine, result) -> None:
         figures = self.figures
         figures.steps += 1
-        figures.tokens += tokens_of(result)
+        tokens = tokens_of(result)
+        figures.tokens += tokens
         figures.bound_steps += int(short_of_room(engine))
         figures.peak_requests = max(figures.peak_requests,
                                     getattr(engine.context, "total_request_count", 0))
         self._last_step_end = self.clock()
+        if tokens and self._first_token is None:
+            self._first_token = self._last_step_end
 
     def add_regrow(self, seconds: float) -> None:
         self.figures.regrow_s += seconds
@@ -81,7 +85,9 @@ class RolloutMeter:
                                 - self._evictions_at_start)
         if self._first_step is not None:
             end = self._last_step_end if self._last_step_end is not None else self._first_step
-            figures.first_token_s = self._first_step - self.started
+            figures.first_step_s = self._first_step - self.started
+            first_token = self._first_token if self._first_token is not None else end
+            figures.first_token_s = first_token - self.started
             figures.seconds = max(0.0, end - self._first_step)
             figures.span_s = end - self.started
         figures.ready_s = None if ready_at is None else max(0.0, ready_at - self.started)
