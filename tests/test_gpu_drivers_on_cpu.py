@@ -176,6 +176,9 @@ def start_all(names, tmp: str) -> dict:
                                                    os.path.join(out, "cold.json"),
                                                    "--groups", "3", "--cycles", "2"], out,
                                      ranks=2),
+        "suspend_stall": lambda out: Run("suspend_stall", [gpu_script("suspend_stall_gpu.py"),
+                                                           os.path.join(out, "stall.json"), "1"],
+                                         out, ranks=2),
         # 4 ranks (TP 2 x PP 2, DP groups of one) rather than the GPU run's 8: the
         # same lines of the package, half the processes on two cores
         "multinode": lambda out: Run("multinode", [gpu_script("multinode_gpu.py"),
@@ -264,6 +267,27 @@ def test_core_gpu_runs_its_checks_on_the_fake_nccl(runs):
         assert result["cycles"]["n"] == 3 and "libnccl-fake" in result["nccl_path"]
         assert_provenance(result, "tests/gpu/core_gpu.py")
         assert result["memory_measure"] == "process"  # the CPU stand-in answers as NVML would
+
+
+# --- suspend_stall_gpu.py ------------------------------------------------------
+@needs("suspend_stall")
+def test_suspend_stall_measures_every_order_on_the_fake_nccl(runs):
+    run = runs["suspend_stall"]
+    run.passed()
+    for rank in (0, 1):
+        result = run.json(f"stall.rank{rank}.json")
+        assert result["ok"] and result["checks"] == {"exact_after_every_cycle": True,
+                                                     "every_mode_measured": True}
+        assert set(result["not_judged_on_cpu"]) == {
+            "overlap_finishes_first", "work_stalls_during_suspend", "pinning_alone_stalls"}
+        assert result["suspended"] == ["world", "dp"] and result["pinned_bytes"] > 0
+        # one round of the four modes (the command asks for 1), then the baseline again
+        assert [row["mode"] for row in result["rows"]] == [
+            "none", "overlapped", "serial", "pin_only", "none"]
+        summary = result["summary"]
+        assert summary["none"]["work_ratio"] == 1.0
+        assert all(summary[m]["transition_s"] > 0 for m in ("overlapped", "serial", "pin_only"))
+        assert_provenance(result, "tests/gpu/suspend_stall_gpu.py")
 
 
 # --- cold_host_gpu.py ---------------------------------------------------------

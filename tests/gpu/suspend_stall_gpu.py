@@ -1,0 +1,205 @@
+"""Does a rank's GPU work go on while NCCL suspends its communicators?
+
+Megatron's rollout on Qwen3's preset (results/one_h200/rollout_gain_qwen3_dp2) started
+its first engine step 0.93 s after the request, while the package's overlapped begin
+was suspending, and that step ended 0.06-0.11 s after the suspends did: 2.5 s instead of
+0.33 s. The rollout's caller thread ran on (the package releases the GIL); its GPU work
+did not. NCCL's suspend allocates the pinned host backup it copies into (cudaHostAlloc,
+about 0.7 s/GiB) and copies with a synchronous cudaMemcpy (FIELD-NOTES section 9).
+
+This measures, on real NCCL, the time a fixed amount of engine-like work takes (steps of
+many small kernels and one host sync, as a decode step is) when it starts together with
+a begin that suspends ``world`` and ``dp``:
+
+- ``none``: no transition (the baseline, measured first and last);
+- ``overlapped``: the begin runs in the background, the steps start at once;
+- ``serial``: the begin first, the steps once it is over;
+- ``pin_only``: a thread pins as many host bytes as the suspend will (cudaHostAlloc,
+  no GIL held), the steps at once: the stall of the pinning alone.
+
+and says which order finishes the work first. Rounds interleave the modes.
+
+Command (NCCL >= 2.30 loaded; several ranks on one GPU):
+    NCCL_MULTI_RANK_GPU_ENABLE=1 python -m torch.distributed.run --nproc-per-node 2 \\
+        tests/gpu/suspend_stall_gpu.py OUT.json [ROUNDS]
+
+CPU check of this script (gloo, the fake NCCL; not a GPU result):
+    AMEM_GPU_DRIVER_ON_CPU=1 python -m torch.distributed.run --nproc-per-node 2 \\
+        tests/gpu/suspend_stall_gpu.py /tmp/stall.json 1
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from amem_callbacks import OffloadPolicy, name_group
+from tests.gpu.common import ON_CPU, bind_device, cpu_notes, exact_allreduce, gloo_group, \
+    policy_backend, process_group_backend, provenance, set_aside_on_cpu, tensor_device
+
+MODES = ("none", "overlapped", "serial", "pin_only")
+KERNELS_PER_STEP = 200  # Megatron's decode step launches hundreds of small kernels
+# the work: as many steps as the baseline runs in this long (AMEM_GPU_QUICK: the CPU check)
+BASELINE_S = 0.3 if os.environ.get("AMEM_GPU_QUICK") == "1" else 3.0
+
+
+def engine_step(x: torch.Tensor) -> float:
+    """Many small kernels, then a host sync (the step's sampled tokens)."""
+    for _ in range(KERNELS_PER_STEP):
+        x.mul_(0.999).add_(0.001)
+    return float(x[0].item())
+
+
+def run_steps(x: torch.Tensor, count: int) -> list:
+    """Each step's (began, ended), monotonic."""
+    out = []
+    for _ in range(count):
+        began = time.monotonic()
+        engine_step(x)
+        out.append((began, time.monotonic()))
+    return out
+
+
+def pinner():
+    """``pin(nbytes)``: pin that many host bytes and free them, the GIL released (ctypes),
+    as NCCL's suspend does for its backup. On CPU: a libc sleep of the same GIL-free kind
+    (the figure is set aside)."""
+    if ON_CPU:
+        libc = ctypes.CDLL(None)
+        return lambda nbytes: libc.usleep(ctypes.c_uint(20000))
+    cudart = ctypes.CDLL(_loaded("libcudart"))
+
+    def pin(nbytes: int) -> None:
+        ptr = ctypes.c_void_p()
+        if cudart.cudaHostAlloc(ctypes.byref(ptr), ctypes.c_size_t(nbytes), 0) != 0:
+            raise RuntimeError(f"cudaHostAlloc of {nbytes} bytes failed")
+        cudart.cudaFreeHost(ptr)
+    return pin
+
+
+def _loaded(stem: str) -> str:
+    """The path of the library this process already loaded (torch's CUDA runtime)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            path = line.split()[-1]
+            if stem in path.rsplit("/", 1)[-1]:
+                return path
+    raise RuntimeError(f"{stem} is not loaded in this process")
+
+
+def one_mode(mode: str, policy: OffloadPolicy, x: torch.Tensor, count: int, nbytes: int,
+             pin, sync) -> dict:
+    """The work of ``count`` steps starting with ``mode``'s transition; the groups are
+    active again (and checked exact by the caller) when it returns."""
+    dist.barrier(group=sync)
+    torch.cuda.synchronize()
+    t0 = time.monotonic()
+    report, pinning = None, None
+    if mode in ("overlapped", "serial"):
+        report = policy.begin("rollout")
+        if mode == "serial":
+            policy.wait()
+    elif mode == "pin_only":
+        pinning = threading.Thread(target=pin, args=(nbytes,))
+        pinning.start()
+    steps = run_steps(x, count)
+    work_s = steps[-1][1] - t0
+    transition_s = None
+    if report is not None:
+        report = policy.wait() or report
+        transition_s = report.wall_seconds
+    if pinning is not None:
+        pinning.join()
+        transition_s = time.monotonic() - t0
+    dist.barrier(group=sync)
+    if mode in ("overlapped", "serial"):
+        policy.end("rollout")
+    durations = [b - a for a, b in steps]
+    return {"mode": mode, "work_s": work_s, "transition_s": transition_s,
+            "first_step_ended_s": steps[0][1] - t0,
+            "step_s_median": statistics.median(durations), "step_s_max": max(durations)}
+
+
+def main() -> None:
+    out_path = sys.argv[1]
+    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 3
+    bind_device()
+    dist.init_process_group(process_group_backend("nccl"))
+    rank = dist.get_rank()
+    sync = gloo_group()
+    groups = {"world": dist.group.WORLD, "dp": dist.new_group(list(range(dist.get_world_size())))}
+    name_group(groups["dp"], "dp")
+    for g in groups.values():
+        assert exact_allreduce(g, 1.0)
+    policy = OffloadPolicy(backend=policy_backend("nccl"), overlap=True, agree_timeout_s=60)
+    x = torch.ones(1 << 20, device=tensor_device())
+    engine_step(x)
+    deadline, count = time.monotonic() + BASELINE_S, 0
+    while time.monotonic() < deadline:  # the work: what the baseline does in BASELINE_S
+        engine_step(x)
+        count += 1
+    count = max(count, 1)
+    counts = [0] * dist.get_world_size()
+    dist.all_gather_object(counts, count, group=sync)
+    count = min(counts)  # every rank the same work
+    # what the suspend pins: the suspendable bytes of the groups it suspends
+    first = policy.begin("rollout")
+    policy.wait()
+    nbytes = sum(g.suspendable_bytes or 0 for g in first.suspended) or (1 << 30)
+    policy.end("rollout")
+    pin = pinner()
+    rows = []
+    for r in range(rounds):
+        order = MODES if r % 2 == 0 else MODES[:1] + MODES[1:][::-1]
+        for mode in order:
+            rows.append(dict(one_mode(mode, policy, x, count, nbytes, pin, sync), round=r))
+    rows.append(dict(one_mode("none", policy, x, count, nbytes, pin, sync), round=rounds))
+    exact = all(exact_allreduce(g, 3.0) for g in groups.values())
+
+    def median(mode, key):
+        values = [row[key] for row in rows if row["mode"] == mode and row[key] is not None]
+        return statistics.median(values) if values else None
+
+    summary = {mode: {key: median(mode, key) for key in
+                      ("work_s", "transition_s", "first_step_ended_s", "step_s_median")}
+               for mode in MODES}
+    base = summary["none"]["work_s"]
+    for mode in MODES:
+        summary[mode]["work_ratio"] = summary[mode]["work_s"] / base if base else None
+    checks = {"exact_after_every_cycle": exact,
+              "every_mode_measured": all(summary[m]["work_s"] for m in MODES)}
+    verdict = {
+        "overlap_finishes_first": summary["overlapped"]["work_s"] < summary["serial"]["work_s"],
+        # the GPU work stood still for most of the suspends: the overlap bought little
+        "work_stalls_during_suspend": summary["overlapped"]["work_s"] >= base + 0.5 * (
+            summary["serial"]["transition_s"] or 0),
+        "pinning_alone_stalls": summary["pin_only"]["work_s"] >= base + 0.5 * (
+            summary["pin_only"]["transition_s"] or 0),
+    }
+    set_aside_on_cpu(verdict, *list(verdict))
+    result = {"rank": rank, "torch": torch.__version__, "steps": count,
+              "kernels_per_step": KERNELS_PER_STEP, "pinned_bytes": nbytes,
+              "suspended": [g.name for g in first.suspended], "summary": summary,
+              "verdict": verdict, "checks": checks, "rows": rows, **cpu_notes(),
+              **provenance("tests/gpu/suspend_stall_gpu.py")}
+    result["ok"] = all(checks.values())
+    with open(out_path.replace(".json", f".rank{rank}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    dist.barrier(group=sync)
+    dist.destroy_process_group()
+    print(f"rank {rank}: {'OK' if result['ok'] else 'FAILED'} "
+          f"{json.dumps({m: round(summary[m]['work_ratio'] or 0, 3) for m in MODES})} "
+          f"{json.dumps(verdict)}", flush=True)
+    sys.exit(0 if result["ok"] else 1)
+
+
+if __name__ == "__main__":
+    main()
