@@ -38,7 +38,8 @@ setup)
     fi
     { nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
       python3 -c "import torch, sys; print(torch.__version__, sys.version.split()[0], torch.cuda.device_count(), 'GPUs')"
-      LD_PRELOAD=/tmp/nccl/libnccl.so.2 python3 -c "import torch; print('NCCL', torch.cuda.nccl.version())"
+      # the loaded library's own version (torch.cuda.nccl.version() is the one torch was built with)
+      LD_PRELOAD=/tmp/nccl/libnccl.so.2 python3 -c "import torch, torch.distributed; from amem_callbacks.nccl_library import NcclLibrary; print('NCCL loaded', getattr(NcclLibrary.loaded(), 'version_str', None))"
     } > "${OUT:-$G}/machine.txt" 2>&1
     cat "${OUT:-$G}/machine.txt"
     ;;
