@@ -279,14 +279,16 @@ def test_suspend_stall_measures_every_order_on_the_fake_nccl(runs):
         assert result["ok"] and result["checks"] == {"exact_after_every_cycle": True,
                                                      "every_mode_measured": True}
         assert set(result["not_judged_on_cpu"]) == {
-            "overlap_finishes_first", "work_stalls_during_suspend", "pinning_alone_stalls"}
+            "overlap_finishes_first", "work_stalls_during_suspend", "pinning_alone_stalls",
+            "allocation_waits_for_suspend"}
         assert result["suspended"] == ["world", "dp"] and result["pinned_bytes"] > 0
         # one round of the four modes (the command asks for 1), then the baseline again
         assert [row["mode"] for row in result["rows"]] == [
-            "none", "overlapped", "serial", "pin_only", "none"]
+            "none", "overlapped", "serial", "pin_only", "alloc_none", "alloc_overlapped", "none"]
         summary = result["summary"]
-        assert summary["none"]["work_ratio"] == 1.0
-        assert all(summary[m]["transition_s"] > 0 for m in ("overlapped", "serial", "pin_only"))
+        assert summary["none"]["work_ratio"] == summary["alloc_none"]["work_ratio"] == 1.0
+        assert all(summary[m]["transition_s"] > 0
+                   for m in ("overlapped", "serial", "pin_only", "alloc_overlapped"))
         assert_provenance(result, "tests/gpu/suspend_stall_gpu.py")
 
 

@@ -15,7 +15,10 @@ a begin that suspends ``world`` and ``dp``:
 - ``overlapped``: the begin runs in the background, the steps start at once;
 - ``serial``: the begin first, the steps once it is over;
 - ``pin_only``: a thread pins as many host bytes as the suspend will (cudaHostAlloc,
-  no GIL held), the steps at once: the stall of the pinning alone.
+  no GIL held), the steps at once: the stall of the pinning alone;
+- ``alloc_none``, ``alloc_overlapped``: steps that also allocate device memory (a
+  prefill's activations do), without and beside the begin: whether a cudaMalloc waits
+  for the suspends where kernels alone do not.
 
 and says which order finishes the work first. Rounds interleave the modes.
 
@@ -45,7 +48,12 @@ from amem_callbacks import OffloadPolicy, name_group
 from tests.gpu.common import ON_CPU, bind_device, cpu_notes, exact_allreduce, gloo_group, \
     policy_backend, process_group_backend, provenance, set_aside_on_cpu, tensor_device
 
-MODES = ("none", "overlapped", "serial", "pin_only")
+#: (transition, steps): the kernel-only steps beside no transition, an overlapped begin,
+#: a serial one and the pinning alone; then steps that also allocate device memory
+#: (torch's cache emptied each step, so each allocation reaches cudaMalloc), beside no
+#: transition and an overlapped begin: whether an allocation waits for the suspends
+MODES = ("none", "overlapped", "serial", "pin_only", "alloc_none", "alloc_overlapped")
+ALLOC_BYTES = 64 << 20
 KERNELS_PER_STEP = 200  # Megatron's decode step launches hundreds of small kernels
 # the work: as many steps as the baseline runs in this long (AMEM_GPU_QUICK: the CPU check)
 BASELINE_S = 0.3 if os.environ.get("AMEM_GPU_QUICK") == "1" else 3.0
@@ -58,12 +66,19 @@ def engine_step(x: torch.Tensor) -> float:
     return float(x[0].item())
 
 
-def run_steps(x: torch.Tensor, count: int) -> list:
+def allocating_step(x: torch.Tensor) -> float:
+    """An engine step that also allocates device memory, as a prefill's activations do."""
+    torch.cuda.empty_cache()
+    torch.empty(ALLOC_BYTES, dtype=torch.uint8, device=x.device).fill_(1)
+    return engine_step(x)
+
+
+def run_steps(x: torch.Tensor, count: int, step=engine_step) -> list:
     """Each step's (began, ended), monotonic."""
     out = []
     for _ in range(count):
         began = time.monotonic()
-        engine_step(x)
+        step(x)
         out.append((began, time.monotonic()))
     return out
 
@@ -106,14 +121,16 @@ def one_mode(mode: str, policy: OffloadPolicy, x: torch.Tensor, count: int, nbyt
     torch.cuda.synchronize()
     t0 = time.monotonic()
     report, pinning = None, None
-    if mode in ("overlapped", "serial"):
+    step = allocating_step if mode.startswith("alloc_") else engine_step
+    transition = mode.removeprefix("alloc_")
+    if transition in ("overlapped", "serial"):
         report = policy.begin("rollout")
-        if mode == "serial":
+        if transition == "serial":
             policy.wait()
-    elif mode == "pin_only":
+    elif transition == "pin_only":
         pinning = threading.Thread(target=pin, args=(nbytes,))
         pinning.start()
-    steps = run_steps(x, count)
+    steps = run_steps(x, count, step)
     work_s = steps[-1][1] - t0
     transition_s = None
     if report is not None:
@@ -123,7 +140,7 @@ def one_mode(mode: str, policy: OffloadPolicy, x: torch.Tensor, count: int, nbyt
         pinning.join()
         transition_s = time.monotonic() - t0
     dist.barrier(group=sync)
-    if mode in ("overlapped", "serial"):
+    if report is not None:
         policy.end("rollout")
     durations = [b - a for a, b in steps]
     return {"mode": mode, "work_s": work_s, "transition_s": transition_s,
@@ -159,7 +176,7 @@ def main() -> None:
     nbytes = sum(g.suspendable_bytes or 0 for g in first.suspended) or (1 << 30)
     policy.end("rollout")
     pin = pinner()
-    modes = MODES if pin is not None else MODES[:-1]
+    modes = MODES if pin is not None else tuple(m for m in MODES if m != "pin_only")
     rows = []
     for r in range(rounds):
         order = modes if r % 2 == 0 else modes[:1] + modes[1:][::-1]
@@ -176,8 +193,9 @@ def main() -> None:
                       ("work_s", "transition_s", "first_step_ended_s", "step_s_median")}
                for mode in modes}
     base = summary["none"]["work_s"]
-    for mode in modes:
-        summary[mode]["work_ratio"] = summary[mode]["work_s"] / base if base else None
+    for mode in modes:  # each kind of step against its own baseline
+        own = summary["alloc_none" if mode.startswith("alloc_") else "none"]["work_s"]
+        summary[mode]["work_ratio"] = summary[mode]["work_s"] / own if own else None
     checks = {"exact_after_every_cycle": exact,
               "every_mode_measured": all(summary[m]["work_s"] for m in modes)}
     verdict = {
@@ -185,6 +203,9 @@ def main() -> None:
         # the GPU work stood still for most of the suspends: the overlap bought little
         "work_stalls_during_suspend": summary["overlapped"]["work_s"] >= base + 0.5 * (
             summary["serial"]["transition_s"] or 0),
+        # an allocation waited for them beyond what the kernels did
+        "allocation_waits_for_suspend": summary["alloc_overlapped"]["work_ratio"] >= 1.2 * (
+            summary["overlapped"]["work_ratio"] or 0),
     }
     if "pin_only" in summary:
         verdict["pinning_alone_stalls"] = summary["pin_only"]["work_s"] >= base + 0.5 * (
