@@ -183,6 +183,10 @@ class Preset:
     #: sequences a training micro-batch: above 1, Megatron's own sequence packing
     #: (``--rl-use-sequence-packing``) in bins of that many sequences (``packed``)
     per_bin: int = 1
+    #: Megatron's --empty-unused-memory-level (0: torch keeps training's freed blocks
+    #: cached, and a rollout's KV allocation can reuse them; 2: emptied after every
+    #: training step, so a bigger cache needs memory that is really free)
+    empty_level: int = 0
 
     @property
     def requests(self) -> int:
@@ -206,8 +210,16 @@ class Preset:
                              "changes the model); write --sequences-per-bin 1")
         return dataclasses.replace(self, per_bin=per_bin)
 
+    def emptying(self, level: int) -> "Preset":
+        """This preset with Megatron's ``--empty-unused-memory-level level``."""
+        if level not in (0, 1, 2):
+            raise ValueError(f"--empty-unused-memory-level must be 0, 1 or 2, not {level}")
+        return dataclasses.replace(self, empty_level=level)
+
     def train_rl_flags(self, iters: int, buffer_gb: float) -> list:
         flags = list(self.flags)
+        if self.empty_level:
+            flags += ["--empty-unused-memory-level", str(self.empty_level)]
         if self.per_bin > 1:
             for name in ("--seq-length", "--max-position-embeddings"):
                 flags[flags.index(name) + 1] = str(self.bin_tokens)

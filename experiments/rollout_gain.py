@@ -91,7 +91,8 @@ GROWTH_COST_GOAL = 1.01
 
 
 def preset_of(args) -> presets.Preset:
-    return presets.PRESETS[args.preset].packed(args.sequences_per_bin)
+    return presets.PRESETS[args.preset].packed(args.sequences_per_bin).emptying(
+        args.empty_unused_memory_level)
 
 
 def flags(args, buffer_gb: float) -> list:
@@ -834,6 +835,10 @@ def main(argv=None) -> int:
     parser.add_argument("--sequences-per-bin", type=int, default=1,
                         help="train in bins of this many sequences (Megatron's sequence "
                              "packing); 1: one sequence a micro-batch, as before")
+    parser.add_argument("--empty-unused-memory-level", type=int, default=0,
+                        help="Megatron's flag of that name, on every run: 2 empties torch's "
+                             "cache after each training step, so a KV allocation cannot reuse "
+                             "training's freed blocks (the control then needs free memory)")
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--first", type=int, default=0, help="index of the first pair")
     parser.add_argument("--control", action="store_true", help="run the control after the pairs")

@@ -316,9 +316,25 @@ def test_sequence_packing_trains_in_bins_and_leaves_the_rollout_as_it_was(tmp_pa
     assert not four["checks"]["training's peak stays under the rollout's"]
 
 
+def test_emptying_torchs_cache_after_training_reaches_every_run(tmp_path, fake_runs, records):
+    """--empty-unused-memory-level 2 (Megatron's flag) goes to every side and the control:
+    on the GPU (2026-12-03) the control's bigger cache reused training's cached blocks."""
+    fake_runs.records_from = {"pair0_with": os.path.join(records["pairs"], "pair0_with")}
+    assert rollout_gain.main(["run", str(tmp_path), "--preset", "qwen3_1_7b", "--pairs", "1",
+                              "--control", "--empty-unused-memory-level", "2"]) == 0
+    assert len(fake_runs.started) == 3  # without, with, the control
+    for run in fake_runs.started:
+        assert last_values(parse_command(run.argv)[2]).get(
+            "--empty-unused-memory-level") == "2", run.argv
+    assert rollout_gain.main(["run", str(tmp_path / "plain"), "--preset", "qwen3_1_7b",
+                              "--pairs", "1"]) == 0
+    assert all("--empty-unused-memory-level" not in run.argv for run in fake_runs.started[3:])
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--preset", "tiny_kv", "--sequences-per-bin", "2"], "learned positions"),
-    (["--preset", "qwen3_1_7b", "--sequences-per-bin", "0"], "1 or more")])
+    (["--preset", "qwen3_1_7b", "--sequences-per-bin", "0"], "1 or more"),
+    (["--preset", "qwen3_1_7b", "--empty-unused-memory-level", "3"], "0, 1 or 2")])
 def test_a_bad_sequences_per_bin_stops_before_any_run(argv, says, tmp_path, fake_runs, capsys):
     with pytest.raises(SystemExit) as stop:
         rollout_gain.main(["run", str(tmp_path), *argv])
