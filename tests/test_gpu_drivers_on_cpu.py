@@ -252,12 +252,15 @@ CORE_NOT_JUDGED = {"freed_ge_99pct_of_suspendable", "caller_progress_ge_0.5",
                    "device_memory_flat_1pct", "host_rss_flat_1pct"}
 
 
+def ranks_results(run: Run, name: str) -> list:
+    """Both ranks' result files (``name`` with ``{rank}``), once every process passed."""
+    run.passed()
+    return [run.json(name.format(rank=rank)) for rank in (0, 1)]
+
+
 @needs("core")
 def test_core_gpu_runs_its_checks_on_the_fake_nccl(runs):
-    run = runs["core"]
-    run.passed()
-    for rank in (0, 1):
-        result = run.json(f"core.rank{rank}.json")
+    for result in ranks_results(runs["core"], "core.rank{rank}.json"):
         assert result["ok"] and set(result["checks"]) == CORE_JUDGED, result["checks"]
         assert set(result["not_judged_on_cpu"]) == CORE_NOT_JUDGED
         held = result["first_begin"]["held"]  # policy.groups(read_nccl=True), as_dict()
@@ -272,10 +275,7 @@ def test_core_gpu_runs_its_checks_on_the_fake_nccl(runs):
 # --- suspend_stall_gpu.py ------------------------------------------------------
 @needs("suspend_stall")
 def test_suspend_stall_measures_every_order_on_the_fake_nccl(runs):
-    run = runs["suspend_stall"]
-    run.passed()
-    for rank in (0, 1):
-        result = run.json(f"stall.rank{rank}.json")
+    for result in ranks_results(runs["suspend_stall"], "stall.rank{rank}.json"):
         assert result["ok"] and result["checks"] == {"exact_after_every_cycle": True,
                                                      "every_mode_measured": True}
         assert set(result["not_judged_on_cpu"]) == {
