@@ -142,6 +142,7 @@ def one_mode(mode: str, policy: OffloadPolicy, x: torch.Tensor, count: int, nbyt
     dist.barrier(group=sync)
     if report is not None:
         policy.end("rollout")
+        policy.wait()  # an overlapped end: over before the next mode's clock starts
     durations = [b - a for a, b in steps]
     return {"mode": mode, "work_s": work_s, "transition_s": transition_s,
             "first_step_ended_s": steps[0][1] - t0,
@@ -175,6 +176,7 @@ def main() -> None:
     first = policy.wait() or first
     nbytes = sum(g.suspendable_bytes or 0 for g in first.suspended) or (1 << 30)
     policy.end("rollout")
+    policy.wait()
     pin = pinner()
     modes = MODES if pin is not None else tuple(m for m in MODES if m != "pin_only")
     rows = []
