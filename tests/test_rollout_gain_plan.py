@@ -867,6 +867,9 @@ def test_calibrate_and_curve_run_their_points_and_read_their_records(records, tm
     record = load(os.path.join(source, "calibrate"))
     need = record["torch_max_reserved_bytes"] + record["nccl_total_bytes"] + presets.CUDA_CONTEXT
     assert calibration["leave_gb"] == round(need / GiB + 1, 2)
+    # the stand-in's torch reserves nothing: no training cache, nothing said
+    assert set(calibration["training_cache_at_rollout_gib"].values()) == {0.0}
+    assert "control_can_take_the_training_cache" not in calibration
     assert rollout_gain.main(["curve", out, "--preset", "qwen3_1_7b", "--points",
                               f"{grown_gb:g}", f"{launch_gb:g}:{half}"]) == 0
     curve_started = fake_runs.started[1:]
@@ -877,6 +880,23 @@ def test_calibrate_and_curve_run_their_points_and_read_their_records(records, tm
         assert last_values(train_rl).get("--inference-dynamic-batching-max-requests") == (
             None if max_requests is None else str(max_requests))
     assert json.load(open(os.path.join(out, "curve.json")))["kv_limited_at_launch"]
+
+
+def test_calibrate_counts_the_training_blocks_torch_holds_at_a_later_rollout():
+    """On the GPU (2026-12-03) torch reserved 10.6 GiB more at rollout 1's KV allocation
+    than at rollout 0's: training's cached blocks, which a bigger cache without the
+    package gets once torch frees them on a failed allocation."""
+    def allocation(iteration, reserved, kv=11230248960):
+        return {"iteration": iteration, "torch_reserved_bytes": reserved, "kv_bytes": kv,
+                "blocks": 180, "block_tokens": 544, "max_requests": 176}
+
+    record = {"generations": [{"iteration": i} for i in range(3)],
+              "kv_cache_allocations": [allocation(0, 15 * GiB), allocation(1, 26 * GiB),
+                                       allocation(1, 20 * GiB, kv=2 * GiB),  # a regrow
+                                       allocation(2, 25 * GiB)]}
+    assert rollout_gain._cached_training_bytes(record) == 11 * GiB
+    record["kv_cache_allocations"] = record["kv_cache_allocations"][:1]
+    assert rollout_gain._cached_training_bytes(record) == 0  # one rollout: nothing to say
 
 
 def test_the_old_presets_growth_cost_pairs_merge_against_growth_off(records, tmp_path):
