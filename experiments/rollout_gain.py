@@ -163,8 +163,7 @@ def _rollout(records: dict, k: int) -> dict:
     """Rollout ``k``'s figures from every rank's steps, the slower rank's where they
     differ (the step goes on when every rank is back)."""
     out = {"waits": [], "first_tokens": [], "first_steps": [], "peaks": [], "means": [],
-           "tokens": 0,
-           "spans": [], "bound": [], "steps": 0}
+           "tokens": 0, "spans": [], "bound": [], "steps": 0}
     for record in records.values():
         windows = _windows(record)
         if k >= len(windows):
@@ -234,8 +233,7 @@ def figures(prefix: str) -> dict:
     steps = [_rollout(records, k) for k in range(1, len(first["generations"]))]
     steps = [s for s in steps if s]
     for key in ("wait_before_first_step_s", "wait_before_first_token_s", "first_step_s",
-                "peak_in_flight",
-                "mean_in_flight", "step_tokens_per_s", "bound_step_fraction"):
+                "peak_in_flight", "mean_in_flight", "step_tokens_per_s", "bound_step_fraction"):
         if steps:
             out[key] = _median([s[key] for s in steps])
     times = [it["time"] for it in first["iterations"]]
@@ -284,14 +282,14 @@ def _phase_figures(records: dict) -> dict:
 
 def _first_token_after_suspends(records: dict) -> list:
     """Per later rollout, the slower rank: its first token's time less the end of the
-    suspends its begin started in that rollout (negative: the token came first). About
-    0 means the engine's first step waited for them (the GPU does not run the engine's
-    work while NCCL pins the host backup it copies into)."""
+    suspends its begin started in that rollout (negative: the token came first; about 0:
+    the first step did not end before the suspends did)."""
+    windows = {rank: _windows(r) for rank, r in records.items()}
     out = []
-    for k in range(1, min((len(_windows(r)) for r in records.values()), default=0)):
+    for k in range(1, min((len(w) for w in windows.values()), default=0)):
         lags = []
-        for record in records.values():
-            asked, back = _windows(record)[k]
+        for rank, record in records.items():
+            asked, back = windows[rank][k]
             begins = [t for t in (record.get("amem") or {}).get("transitions", [])
                       if t.get("kind") == "begin" and not t.get("skipped")
                       and asked - 1.0 <= t.get("started", -1e18) <= back]
@@ -859,8 +857,8 @@ def main(argv=None) -> int:
                              "packing); 1: one sequence a micro-batch, as before")
     parser.add_argument("--empty-unused-memory-level", type=int, default=0,
                         help="Megatron's flag of that name, on every run: 2 empties torch's "
-                             "cache after each training step, so a KV allocation cannot reuse "
-                             "training's freed blocks (the control then needs free memory)")
+                             "cache after each training step, so training's freed blocks are "
+                             "not held through the rollout for the control to take")
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--first", type=int, default=0, help="index of the first pair")
     parser.add_argument("--control", action="store_true", help="run the control after the pairs")
