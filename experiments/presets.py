@@ -184,8 +184,8 @@ class Preset:
     #: (``--rl-use-sequence-packing``) in bins of that many sequences (``packed``)
     per_bin: int = 1
     #: Megatron's --empty-unused-memory-level (0: torch keeps training's freed blocks
-    #: cached, and a rollout's KV allocation can reuse them; 2: emptied after every
-    #: training step, so a bigger cache needs memory that is really free)
+    #: cached through the rollout, and frees them for an allocation that fails, so a
+    #: bigger cache can take them; 2: emptied after every training step)
     empty_level: int = 0
 
     @property
