@@ -83,12 +83,19 @@ def run_steps(x: torch.Tensor, count: int, step=engine_step) -> list:
     return out
 
 
+#: NCCL 2.30.7's suspend pins a backup for each offloaded entry of a communicator
+#: (hundreds of them, src/mem_manager.cc): cudaHostAlloc(cudaHostAllocMapped), then memset
+#: (ncclCudaHostCalloc, src/include/alloc.h); the pinning mode does the same in pieces
+PIN_PIECE = 8 << 20
+CUDA_HOST_ALLOC_MAPPED = 2
+
+
 def pinner():
-    """``pin(nbytes)``: pin that many host bytes and free them, the GIL released (ctypes),
-    as NCCL's suspend does for its backup. On CPU: a libc sleep of the same GIL-free kind
-    (the figure is set aside)."""
+    """``pin(nbytes)``: pin that many host bytes as NCCL's suspend does (in pieces, each
+    mapped and zeroed), then free them, the GIL released (ctypes). On CPU: a libc sleep
+    of the same GIL-free kind (the figure is set aside)."""
+    libc = ctypes.CDLL(None)
     if ON_CPU:
-        libc = ctypes.CDLL(None)
         return lambda nbytes: libc.usleep(ctypes.c_uint(20000))
     try:
         cudart = ctypes.CDLL(_loaded("libcudart"))
@@ -96,10 +103,19 @@ def pinner():
         return None
 
     def pin(nbytes: int) -> None:
-        ptr = ctypes.c_void_p()
-        if cudart.cudaHostAlloc(ctypes.byref(ptr), ctypes.c_size_t(nbytes), 0) != 0:
-            raise RuntimeError(f"cudaHostAlloc of {nbytes} bytes failed")
-        cudart.cudaFreeHost(ptr)
+        pieces = []
+        try:
+            for offset in range(0, nbytes, PIN_PIECE):
+                size = min(PIN_PIECE, nbytes - offset)
+                ptr = ctypes.c_void_p()
+                if cudart.cudaHostAlloc(ctypes.byref(ptr), ctypes.c_size_t(size),
+                                        CUDA_HOST_ALLOC_MAPPED) != 0:
+                    raise RuntimeError(f"cudaHostAlloc of {size} bytes failed")
+                pieces.append(ptr)
+                libc.memset(ptr, 0, ctypes.c_size_t(size))
+        finally:
+            for ptr in pieces:
+                cudart.cudaFreeHost(ptr)
     return pin
 
 
