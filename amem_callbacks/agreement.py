@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import collections
 import time
-from datetime import timedelta
 
 from .states import Verdict
 
@@ -25,6 +24,9 @@ from .states import Verdict
 
 #: what a member seals into a peer's exchange slot after waiting for it in vain
 MISSING = "\x00missing"
+#: a wait checks the store after this long, then twice as long each time, up to the
+#: most (a check is one short request, so each costs the store little)
+POLL_FIRST_S, POLL_MAX_S = 0.0005, 0.005
 
 
 def vote_suspend(backend_name: str, nbytes=None, first: bool = False) -> str:
@@ -75,14 +77,19 @@ class Agreement:
         return f"{self.namespace}/{topic}/{key}/{round_no}", round_no
 
     def _wait(self, keys, deadline: float) -> bool:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return self.store.check(keys)
-        try:
-            self.store.wait(keys, timedelta(seconds=remaining))
-            return True
-        except RuntimeError:  # DistStoreError: timed out
-            return self.store.check(keys)
+        """Whether every key is set by ``deadline``, asking with non-blocking checks.
+        Not ``store.wait``: a TCPStore client runs one request at a time, so a wait
+        in one thread (an overlapped begin's outcome round) held back the writes of
+        the process's other thread (the KV growth's round), whose peer waited for
+        them in turn: both stood still until the timeout (tests/test_agreement.py)."""
+        pause = POLL_FIRST_S
+        while not self.store.check(keys):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            time.sleep(min(pause, remaining))
+            pause = min(2 * pause, POLL_MAX_S)
+        return True
 
     def _forget(self, topic: str, key: str, round_no: int, members) -> None:
         """The leader drops round ``round_no - 2``: every member left it long ago."""

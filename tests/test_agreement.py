@@ -126,3 +126,47 @@ def test_share_splits_values_from_missing_ranks_in_any_member_order():
         t.join(30)
     assert results[0] == results[1] == ({0: "v0", 1: "v1"}, [2])
     assert store.check(["amem_callbacks/outcome/__exchange__/sizes/0/0"])
+
+
+def test_two_threads_of_each_rank_in_rounds_of_their_own_never_wait_for_each_other():
+    """Two ranks, each a TCPStore client (as torch's default group has) used by two
+    threads: an overlapped begin's outcome round and the KV growth's round, started in
+    the order that once stalled both for the whole timeout (CI, 2026-12-03): rank 1's
+    growth round and rank 0's begin round first, each waiting for a slot its peer's
+    other thread writes next. A store.wait held the client for the whole wait, so the
+    second writes queued behind it; every round must end long before the timeout."""
+    from datetime import timedelta
+
+    from amem_callbacks.tools.launch import free_port
+
+    timeout = 20.0
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=60),
+                           wait_for_workers=False)
+    stores = {0: server, 1: dist.TCPStore("127.0.0.1", port, 2, False, timedelta(seconds=60))}
+    agreements = {r: Agreement(stores[r], r, timeout) for r in (0, 1)}
+    results, took = {}, {}
+
+    def growth(r):
+        start = time.monotonic()
+        results[("growth", r)] = agreements[r].share("kv_cache/ready", f"g{r}", [0, 1])
+        took[("growth", r)] = time.monotonic() - start
+
+    def begin(r):
+        start = time.monotonic()
+        results[("begin", r)] = agreements[r].exchange({"31": ((0, 1), f"b{r}")})["31"]
+        took[("begin", r)] = time.monotonic() - start
+
+    first = [threading.Thread(target=growth, args=(1,)), threading.Thread(target=begin, args=(0,))]
+    second = [threading.Thread(target=begin, args=(1,)), threading.Thread(target=growth, args=(0,))]
+    for t in first:
+        t.start()
+    time.sleep(0.3)  # the first two are waiting now, each for a slot not yet written
+    for t in second:
+        t.start()
+    for t in first + second:
+        t.join(3 * timeout)
+    assert results[("growth", 0)] == results[("growth", 1)] == ({0: "g0", 1: "g1"}, [])
+    assert results[("begin", 0)] == results[("begin", 1)] == {0: "b0", 1: "b1"}
+    # a liveness bound, not a speed figure: stalled, each took the whole timeout
+    assert max(took.values()) < timeout / 2, took
