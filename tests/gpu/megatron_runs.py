@@ -157,9 +157,20 @@ def kill_tagged(tag: str, wait_s: float = 15.0) -> list:
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + wait_s
-    while tagged(tag) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    while not all(map(ended, found)) and time.monotonic() < deadline:
+        time.sleep(0.1)
     return found
+
+
+def ended(pid: int) -> bool:
+    """Gone, or a zombie: its memory and files (the GPU's among them) are released. A
+    killed process's environment reads empty while it still exits, so ``tagged`` no
+    longer finds it before that (measured on CI under load)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def _scan(path: str, offset: int, marks: tuple) -> tuple:
