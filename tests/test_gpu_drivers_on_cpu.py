@@ -282,7 +282,7 @@ def test_suspend_stall_measures_every_order_on_the_fake_nccl(runs):
             "overlap_finishes_first", "work_stalls_during_suspend", "pinning_alone_stalls",
             "allocation_waits_for_suspend"}
         assert result["suspended"] == ["world", "dp"] and result["pinned_bytes"] > 0
-        # one round of the four modes (the command asks for 1), then the baseline again
+        # one round of the six modes (the command asks for 1), then the baseline again
         assert [row["mode"] for row in result["rows"]] == [
             "none", "overlapped", "serial", "pin_only", "alloc_none", "alloc_overlapped", "none"]
         summary = result["summary"]
