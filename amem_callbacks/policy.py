@@ -26,7 +26,8 @@ from .availability import is_cuda_available, is_distributed_initialized
 from .errors import OptionError, PhaseError, TransitionError, TransitionTimeout
 from .learning import LearnedKeeps
 from .log import logger
-from .options import MAX_WAIT_S, OffloadOptions, check_phase, check_wait, options_from
+from .options import (MAX_WAIT_S, WAIT_LIMIT, OffloadOptions, check_number, check_phase,
+                      check_wait, options_from)
 from .report import Counters, TransitionReport
 from .states import GuardMode, Kind, Outcome
 from .transitions import Transitions
@@ -45,7 +46,8 @@ def _finish_before_exit() -> None:
     "terminate called without an active exception", an abort at exit)."""
     for policy in list(_live):
         task = policy._pending
-        if task is not None:
+        held = policy._transitions is not None and policy._transitions.holding()
+        if task is not None and not held:  # held suspends never start at exit
             try:
                 task.wait(EXIT_WAIT_S)
             except Exception:  # exiting anyway; the transition's own log says what failed
@@ -100,7 +102,7 @@ class OffloadPolicy:
         return None if self._transitions is None else self._transitions.view_of(group, read_nccl)
 
     # --- public ----------------------------------------------------------
-    def begin(self, phase: str = "rollout") -> TransitionReport:
+    def begin(self, phase: str = "rollout", *, hold_s: float = 0.0) -> TransitionReport:
         """Collective over all ranks: suspend the groups ``phase`` leaves idle.
 
         Called while a phase is active, it does nothing and logs a warning
@@ -109,8 +111,20 @@ class OffloadPolicy:
         ``destroy_process_group``) it logs once why and does nothing: no phase
         becomes active. If it raises, no phase is active and the message
         names every group this rank still holds.
+
+        Args:
+            hold_s: with ``overlap``, agree now but hold this rank's suspends
+                until :meth:`start_suspends`, at most this many seconds (or
+                until anything needs them over: ``end``, ``wait``, a guarded
+                call on a held group). For a caller whose next GPU work must
+                not wait: while NCCL pins the host backup of a suspend, the
+                process's GPU work stands still (measured on an H200, every
+                thread: results/one_h200/suspend_stall). Every rank of a group
+                must suspend it before any returns from it, so a rank that
+                starts early waits (in the background) for the others.
         """
         check_phase(phase)
+        check_number("hold_s", hold_s, minimum=0, maximum=MAX_WAIT_S, why=WAIT_LIMIT)
         with self._lock:
             if self._phase is not None:
                 logger.warning("amem_callbacks: begin(%r) while phase %r is active: ignored",
@@ -121,10 +135,18 @@ class OffloadPolicy:
             self._set_up()
             self._phase = phase
             try:
-                return self._begin(phase)
+                return self._begin(phase, hold_s)
             except BaseException as exc:
                 self._phase = None
                 self._raise_naming_held(f"begin({phase!r})", exc)
+
+    def start_suspends(self) -> bool:
+        """Start the suspends a ``begin(hold_s=...)`` holds on this rank, now;
+        whether any were held. Not a collective call itself, but every rank that
+        holds must come here (or to ``end``, or let ``hold_s`` pass): each suspend
+        waits for all members of its group."""
+        transitions = self._transitions
+        return transitions is not None and transitions.start_held()
 
     def end(self, phase: Optional[str] = None) -> TransitionReport:
         """Collective over all ranks: resume what ``begin`` suspended.
@@ -279,7 +301,7 @@ class OffloadPolicy:
                                 device_shared_by=self._placement.sharing_my_device(),
                                 learned=self._learned.by_phase().get(phase, {}))
 
-    def _begin(self, phase: str) -> TransitionReport:
+    def _begin(self, phase: str, hold_s: float = 0.0) -> TransitionReport:
         """The begin of an open phase; whatever it raises, the caller closes the phase."""
         if self._inert:
             return self._skipped(phase, Kind.BEGIN, self._backend_description)
@@ -287,11 +309,12 @@ class OffloadPolicy:
         self._resume_left_behind(phase)
         self._counters.add("begins")
         report = self._new_report(phase, Kind.BEGIN)
+        report.hold_s = hold_s
         plan = plan_begin(self._setup, self.options, phase, self._learned.reasons(phase))
         before = self._transitions.held_ids()
         submitted = None
         try:
-            submitted = self._transitions.begin(report, plan)
+            submitted = self._transitions.begin(report, plan, hold_s)
             return self._run(submitted, report, self._counters.begins)
         except BaseException:
             if submitted is None or submitted.task.done():  # nothing will run them now
@@ -383,6 +406,7 @@ class OffloadPolicy:
         task, self._pending = self._pending, None
         if task is None:
             return
+        self._transitions.start_held()  # waiting for a held begin is needing it
         try:
             task.wait(self._timeout(timeout_s))
         except TransitionTimeout as exc:

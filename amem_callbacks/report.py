@@ -103,6 +103,10 @@ class TransitionReport:
     learned: dict = field(default_factory=dict)
     #: names of the groups this transition moves, known when it is queued
     planned: list = field(default_factory=list)
+    #: a begin asked to hold its suspends up to this long (``begin(hold_s=)``)
+    hold_s: float = 0.0
+    #: ... and the seconds from the call until they started (0: not held)
+    held_seconds: float = 0.0
 
     def _with(self, action: Outcome) -> list:
         return [g for g in self.groups if g.action == action]
@@ -151,6 +155,8 @@ class TransitionReport:
             p + "agree_seconds": self.agree_seconds,
             p + "wall_seconds": self.wall_seconds,
         }
+        if self.kind is Kind.BEGIN:
+            out[p + "held_seconds"] = self.held_seconds
         if self.device_freed_bytes is not None:
             # device-wide when the GPU is shared: the key says so
             shared = "device_freed_bytes" if self.device_shared_by <= 1 else \
@@ -173,6 +179,8 @@ class TransitionReport:
             return f"{self.kind}({self.phase!r}): nothing done: {self.skipped}"
         if self.pending:
             verb = "suspending" if self.kind is Kind.BEGIN else "resuming"
+            if self.kind is Kind.BEGIN and self.hold_s > 0:
+                verb = f"holding (up to {self.hold_s:g} s, until the caller lets them start)"
             return (f"{self.kind}({self.phase!r}) via {self.backend}: {verb} {self.planned} in "
                     f"the background; kept {len(self.kept)}")
         parts = [f"{self.kind}({self.phase!r}) via {self.backend}:"]
@@ -192,6 +200,8 @@ class TransitionReport:
         if stays:
             parts.append(f"{stays / 2**20:.0f} MiB stay (persistent or unreached)")
         parts.append(f"in {self.total_seconds:.3f} s")
+        if self.held_seconds:
+            parts.append(f"(held {self.held_seconds:.3f} s first)")
         return " ".join(parts)
 
 

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from . import headroom
+from .errors import OptionError
 from .options import MAX_BYTES, check_number, check_wait
 from .log import logger
 from .report import TransitionReport
@@ -153,7 +154,8 @@ class RolloutSession(SessionViews):
         return self
 
     # --- the phase ---------------------------------------------------------
-    def start(self, where: str, *, need_bytes: Optional[int] = None) -> Optional[TransitionReport]:
+    def start(self, where: str, *, need_bytes: Optional[int] = None,
+              hold_s: float = 0.0) -> Optional[TransitionReport]:
         """Collective: begin the phase (nothing when it is already active).
 
         Args:
@@ -161,18 +163,34 @@ class RolloutSession(SessionViews):
             need_bytes: return once the begin has freed this many bytes on this
                 rank (something allocates right after); None waits for the
                 whole begin; 0 returns at once when the policy overlaps.
+            hold_s: with ``need_bytes=0``, hold this rank's suspends until
+                :meth:`start_suspends` (at most this long): the rollout's first
+                GPU work goes before them (``OffloadPolicy.begin``'s ``hold_s``).
         """
+        if hold_s and need_bytes != 0:
+            raise OptionError(f"start(hold_s={hold_s!r}) holds the suspends, so it cannot "
+                              f"also wait for them (need_bytes={need_bytes!r}): pass "
+                              "need_bytes=0, or hold_s=0 to wait")
         with self._lock:
             if self.active:
                 return None
             began = time.monotonic()
-            report = self._policy.begin(self.phase)
+            report = self._policy.begin(self.phase, hold_s=hold_s)
             if need_bytes is None:
                 self._policy.wait()
             elif need_bytes > 0:
                 self._wait_for_bytes(need_bytes, None)
             self.waited["start"] += time.monotonic() - began
             return self._record(where, report)
+
+    def start_suspends(self, where: str = "") -> bool:
+        """Not collective, never blocks: let the suspends a ``start(hold_s=...)``
+        holds start now (each rank at its own moment; every rank must come here,
+        to ``stop``, or let ``hold_s`` pass). Whether any were held."""
+        started = self._policy.start_suspends()
+        if started:
+            logger.debug("amem_callbacks: held suspends start at %s", where)
+        return started
 
     def stop(self, where: str, *, guarded_until_settle: bool = False) -> Optional[TransitionReport]:
         """Collective: end the phase (nothing when none is active).

@@ -149,6 +149,9 @@ class Transitions:
         self._guard_resumes: dict = {}  # group key -> (name, count) since the last end()
         self._warned_auto: set = set()
         self._warned_gil = False
+        # The latest begin's go-ahead: clear while its suspends are held (begin's hold_s).
+        self._go = threading.Event()
+        self._go.set()
         # Bytes the latest begin has freed so far on this rank, for wait_for_bytes.
         self._progress = threading.Condition()
         self._freed_bytes = 0
@@ -158,8 +161,10 @@ class Transitions:
         self._begin_bytes = 0
 
     # --- begin -----------------------------------------------------------
-    def begin(self, report: TransitionReport, plan: AgreedPlan) -> Submitted:
-        """Queue the suspend batch of an agreed plan (the agreement is done)."""
+    def begin(self, report: TransitionReport, plan: AgreedPlan, hold_s: float = 0.0) -> Submitted:
+        """Queue the suspend batch of an agreed plan (the agreement is done). With
+        ``hold_s``, the batch waits up to that long for :meth:`start_held` (or for
+        anything that needs it over: an end, a wait, the guard)."""
         report.agree_seconds = plan.agree_seconds
         for info, reason in plan.kept:
             report.groups.append(_group_report(info, Outcome.KEPT, reason))
@@ -168,18 +173,41 @@ class Transitions:
                 for s in self._new_states(plan)]
         report.planned = [item.state.info.name for item in work]
         must_wait = self._note_gil(report, work)
+        go = threading.Event()
+        if hold_s <= 0 or not work:
+            go.set()
+        self._go = go
         with self._progress:
             self._freed_bytes, self._begin_running = 0, True
             self._begin_since = time.monotonic()
             self._begin_bytes = sum(item.state.suspendable or 0 for item in work)
-        task = self.executor.submit(lambda: self._batch(report, [work], self._suspend,
-                                                        self._close_begin), "begin transition")
+
+        def suspend_when_let_go():
+            if not go.is_set():
+                go.wait(hold_s)
+                report.held_seconds = time.monotonic() - report.started
+                with self._progress:  # the slow-suspend hint counts from here
+                    self._begin_since = time.monotonic()
+            return self._batch(report, [work], self._suspend, self._close_begin)
+
+        task = self.executor.submit(suspend_when_let_go, "begin transition")
         return Submitted(task, must_wait)
+
+    def start_held(self) -> bool:
+        """Let the latest begin's held suspends start now; whether they were held."""
+        held = not self._go.is_set()
+        self._go.set()
+        return held
+
+    def holding(self) -> bool:
+        """The latest begin's suspends are held (not started yet)."""
+        return not self._go.is_set()
 
     def wait_for_bytes(self, nbytes: int, timeout_s: float) -> int:
         """Block until the running begin has freed ``nbytes`` on this rank (by
         NCCL's account) or has finished; returns the bytes freed so far."""
         deadline = time.monotonic() + timeout_s
+        self.start_held()  # waiting for them is needing them
         with self._progress:
             while self._begin_running and self._freed_bytes < nbytes:
                 left = deadline - time.monotonic()
@@ -417,7 +445,9 @@ class Transitions:
     # --- end -------------------------------------------------------------
     def end(self, report: TransitionReport) -> Submitted:
         """Collective: queue a resume for every group this policy holds suspended,
-        the groups agreed as ``first`` before the others."""
+        the groups agreed as ``first`` before the others (held suspends run first:
+        every member of a group must suspend it, NCCL waits for all of them)."""
+        self.start_held()
         report.groups.extend(self.auto_resumed)
         self.auto_resumed = []
         states = [s for _k, s in sorted(self.states.items())
@@ -579,6 +609,7 @@ class Transitions:
                 f"{call} on a subgroup while backend {self.backend.name!r} has paused the whole "
                 "process: only a call on the default group can resume it safely. Fix: call "
                 "end() first, or use backend='nccl' and keep this group.")
+        self.start_held()  # the call needs the group: suspend (as agreed), then resume it
         state.wait(f"{call} waiting for the suspend", self.suspend_hint())
         if state.status is not Status.SUSPENDED:
             return

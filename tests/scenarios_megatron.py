@@ -633,6 +633,14 @@ def kv_growth(args):
         engine.resume()
         drain(engine)
         resumed = controller.session.freed()  # what the resume left running
+        # held until the first step with tokens has ended (HOLD_UNTIL_FIRST_TOKEN_S)
+        time.sleep(0.2)
+        held_at_resume = not any(fake.suspended().values())
+        engine._loop.run_until_complete(engine.async_step())
+        stepped = time.monotonic()  # then the suspends start: seconds until one is
+        while not any(fake.suspended().values()) and time.monotonic() - stepped < 10:
+            time.sleep(0.005)
+        started_after_first_step_s = time.monotonic() - stepped
         # On a busy CPU the suspends may outlast the steps: step until grown, then at
         # least as many steps again, so the grown part is never a sliver of the rollout
         # (else its measured rate could lose to the launch size's by chance, as on CI).
@@ -651,6 +659,9 @@ def kv_growth(args):
                 fake.controls.delay(comm, args["slow_suspends_ms"] * 1000)
         out["rollouts"].append({
             "suspends_done_at_resume": resumed.done,
+            "held_at_resume": held_at_resume,
+            "started_after_first_step_s": started_after_first_step_s,
+            "held_seconds": controller.last_begin.held_seconds,
             "reports": [dict(r.as_dict(), when=r.when, summary=r.summary())
                         for r in controller.kv_reports if r is not None][-2:],
             "decision": controller.growth.decisions[-1].why if controller.growth.decisions

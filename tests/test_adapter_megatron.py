@@ -255,7 +255,8 @@ def test_launcher_runs_a_script_with_the_flags_and_hooks(tmp_path):
         assert begin["dp"] == begin["world"] == begin["tp"] == "kept"
         assert begin["dp_cp"] == begin["expert_dp"] == "would suspend"
         assert f"[rank {rank}] amem_callbacks: rollout begin at DynamicInferenceEngine.resume: "\
-               "begin('rollout') via noop: suspending ['" in out  # overlapped: still running
+               "begin('rollout') via noop: holding (up to 5 s, until the caller lets them "\
+               "start) ['" in out  # overlapped: held until the engine's first tokens
         assert f"[rank {rank}] amem_callbacks: begin('rollout') via noop: would suspend" in out
 
 
@@ -321,6 +322,10 @@ def test_one_replica_grows_at_the_same_step_by_its_smallest_freed_bytes(margin_g
     margin = int(margin_gb * 2**30)
     launch = both[0]["rollouts"][0]["reports"][-1]
     assert launch["amem/kv_cache/grown"] == 0 and "no rollout measured" in launch["summary"]
+    for res in both:  # each rollout's suspends wait for the engine's first tokens
+        for rollout in res["rollouts"]:
+            assert rollout["held_at_resume"] and rollout["held_seconds"] >= 0.2
+            assert rollout["started_after_first_step_s"] < 3  # the bound is 5 s
     probe = [res["rollouts"][1] for res in both]
     for rollout in probe:
         assert not rollout["suspends_done_at_resume"]  # the resume did not wait for them

@@ -17,9 +17,17 @@ from amem_callbacks.session import RolloutSession, SessionViews
 from . import param_sync, roles
 from .args import Settings
 from .growth import KvCacheGrowth
+from .meter import tokens_of
 
 #: Megatron-LM broadcasts the rollouts on the default group right after the engine suspends.
 RESUME_FIRST = ("world",)
+#: The begin is agreed where the rollout starts, but each rank's suspends wait until its
+#: engine's first step with tokens has ended, at most this long: while NCCL pins a
+#: suspend's host backup the process's GPU work stands still (0.7 s/GiB; measured on an
+#: H200: results/one_h200/suspend_stall), and a first step behind 4.5 GiB of suspends took
+#: 2.57 s instead of 0.32 (results/one_h200/rollout_gain_qwen3_dp2). The bound is for an
+#: engine that never steps (no request reached it): its peers' suspends wait for its own.
+HOLD_UNTIL_FIRST_TOKEN_S = 5.0
 
 
 class RolloutOffload(SessionViews):
@@ -44,6 +52,7 @@ class RolloutOffload(SessionViews):
             if settings.grow_kv_cache else None
         self._hooks_off: list = []  # model chunks whose parameter-gather hooks are off
         self._warned = False
+        self._holding = False  # this rollout's suspends wait for the engine's first tokens
 
     @property
     def enabled(self) -> bool:
@@ -95,7 +104,9 @@ class RolloutOffload(SessionViews):
         self._hooks_off += param_sync.finish_before_suspend(None, None)
         if self.session is None:
             self.session = RolloutSession(self._build_policy(engine))
-        report = self._logged(self.session.start(via, need_bytes=0), via)
+        hold_s = HOLD_UNTIL_FIRST_TOKEN_S if self.options.overlap else 0.0
+        report = self._logged(self.session.start(via, need_bytes=0, hold_s=hold_s), via)
+        self._holding = self.active and hold_s > 0
         if self._growth is not None and self.active:
             self._growth.rollout_started(engine)
         return report
@@ -124,7 +135,11 @@ class RolloutOffload(SessionViews):
         report = self._growth.before_step(engine, self.session)
         return self._kv_logged(report, via) if report is not None else None
 
-    def engine_stepped(self, engine, result) -> None:
+    def engine_stepped(self, engine, result, via: str = "") -> None:
+        """A step has ended: the first with tokens lets this rank's suspends start."""
+        if self._holding and tokens_of(result) > 0:
+            self._holding = False
+            self.session.start_suspends(via or "the engine's first step with tokens")
         if self._growth is not None and self.active:
             self._growth.after_step(engine, result)
 
@@ -132,6 +147,7 @@ class RolloutOffload(SessionViews):
         """Collective over all ranks: resume what ``rollout_begin`` suspended."""
         if not self.active:
             return None
+        self._holding = False  # the end starts what is still held, then resumes
         if self._growth is not None:
             grown = self._growth.grown
             figures = self._growth.at_end(engine, self.session)

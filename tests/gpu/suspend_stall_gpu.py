@@ -18,7 +18,11 @@ a begin that suspends ``world`` and ``dp``:
   no GIL held), the steps at once: the stall of the pinning alone;
 - ``alloc_none``, ``alloc_overlapped``: steps that also allocate device memory (a
   prefill's activations do), without and beside the begin: whether a cudaMalloc waits
-  for the suspends where kernels alone do not.
+  for the suspends where kernels alone do not;
+- ``held``: the begin holds its suspends (``begin(hold_s=...)``) until the rank's first
+  step has ended, rank r lets go ``r * HELD_SKEW_S`` later (NCCL's suspend waits for
+  every member: the rank that lets go first waits in the background): the first step
+  as early as without a begin, as Megatron's adapter does it.
 
 and says which order finishes the work first. Rounds interleave the modes.
 
@@ -52,7 +56,8 @@ from tests.gpu.common import ON_CPU, bind_device, cpu_notes, exact_allreduce, gl
 #: a serial one and the pinning alone; then steps that also allocate device memory
 #: (torch's cache emptied each step, so each allocation reaches cudaMalloc), beside no
 #: transition and an overlapped begin: whether an allocation waits for the suspends
-MODES = ("none", "overlapped", "serial", "pin_only", "alloc_none", "alloc_overlapped")
+MODES = ("none", "overlapped", "serial", "pin_only", "alloc_none", "alloc_overlapped", "held")
+HELD_SKEW_S = 0.3
 ALLOC_BYTES = 64 << 20
 KERNELS_PER_STEP = 200  # Megatron's decode step launches hundreds of small kernels
 # the work: as many steps as the baseline runs in this long (AMEM_GPU_QUICK: the CPU check)
@@ -73,13 +78,15 @@ def allocating_step(x: torch.Tensor) -> float:
     return engine_step(x)
 
 
-def run_steps(x: torch.Tensor, count: int, step=engine_step) -> list:
-    """Each step's (began, ended), monotonic."""
+def run_steps(x: torch.Tensor, count: int, step=engine_step, after_step=None) -> list:
+    """Each step's (began, ended), monotonic; ``after_step(ended)`` after each."""
     out = []
     for _ in range(count):
         began = time.monotonic()
         step(x)
         out.append((began, time.monotonic()))
+        if after_step is not None:
+            after_step(out[-1][1])
     return out
 
 
@@ -96,13 +103,18 @@ def pinner():
     of the same GIL-free kind (the figure is set aside)."""
     libc = ctypes.CDLL(None)
     if ON_CPU:
-        return lambda nbytes: libc.usleep(ctypes.c_uint(20000))
+        def sleep(nbytes: int) -> float:
+            libc.usleep(ctypes.c_uint(20000))
+            return 0.02
+        return sleep
     try:
         cudart = ctypes.CDLL(_loaded("libcudart"))
     except (RuntimeError, OSError):  # a torch linked to it statically: the mode is left out
         return None
 
-    def pin(nbytes: int) -> None:
+    def pin(nbytes: int) -> float:
+        """Pins, frees; the seconds it took."""
+        began = time.monotonic()
         pieces = []
         try:
             for offset in range(0, nbytes, PIN_PIECE):
@@ -116,6 +128,7 @@ def pinner():
         finally:
             for ptr in pieces:
                 cudart.cudaFreeHost(ptr)
+        return time.monotonic() - began
     return pin
 
 
@@ -136,31 +149,41 @@ def one_mode(mode: str, policy: OffloadPolicy, x: torch.Tensor, count: int, nbyt
     dist.barrier(group=sync)
     torch.cuda.synchronize()
     t0 = time.monotonic()
-    report, pinning = None, None
+    report, pinning, pinned_s, after_step = None, None, [], None
     step = allocating_step if mode.startswith("alloc_") else engine_step
     transition = mode.removeprefix("alloc_")
-    if transition in ("overlapped", "serial"):
-        report = policy.begin("rollout")
+    if transition in ("overlapped", "serial", "held"):
+        report = policy.begin("rollout", hold_s=60.0 if transition == "held" else 0.0)
         if transition == "serial":
             policy.wait()
     elif transition == "pin_only":
-        pinning = threading.Thread(target=pin, args=(nbytes,))
+        pinning = threading.Thread(target=lambda: pinned_s.append(pin(nbytes)))
         pinning.start()
-    steps = run_steps(x, count, step)
+    if transition == "held":  # let go after the first step, rank r r * HELD_SKEW_S later
+        let_go_at = []
+
+        def after_step(ended: float) -> None:
+            if not let_go_at:
+                let_go_at.append(ended + dist.get_rank() * HELD_SKEW_S)
+            if let_go_at[0] is not None and ended >= let_go_at[0]:
+                policy.start_suspends()
+                let_go_at[0] = None
+    steps = run_steps(x, count, step, after_step)
     work_s = steps[-1][1] - t0
-    transition_s = None
+    transition_s, held_s = None, None
     if report is not None:
         report = policy.wait() or report
-        transition_s = report.wall_seconds
+        transition_s = report.wall_seconds - report.held_seconds
+        held_s = report.held_seconds
     if pinning is not None:
         pinning.join()
-        transition_s = time.monotonic() - t0
+        transition_s = pinned_s[0] if pinned_s else None
     dist.barrier(group=sync)
     if report is not None:
         policy.end("rollout")
         policy.wait()  # an overlapped end: over before the next mode's clock starts
     durations = [b - a for a, b in steps]
-    return {"mode": mode, "work_s": work_s, "transition_s": transition_s,
+    return {"mode": mode, "work_s": work_s, "transition_s": transition_s, "held_s": held_s,
             "first_step_ended_s": steps[0][1] - t0,
             "step_s_median": statistics.median(durations), "step_s_max": max(durations)}
 
@@ -225,6 +248,8 @@ def main() -> None:
         "allocation_waits_for_suspend": summary["alloc_overlapped"]["work_ratio"] >= 1.2 * (
             summary["overlapped"]["work_ratio"] or 0),
     }
+    verdict["held_first_step_on_time"] = summary["held"]["first_step_ended_s"] <= (
+        summary["none"]["first_step_ended_s"] + 0.05)
     if "pin_only" in summary:
         verdict["pinning_alone_stalls"] = summary["pin_only"]["work_s"] >= base + 0.5 * (
             summary["pin_only"]["transition_s"] or 0)
