@@ -12,8 +12,10 @@ session does the rest, the same for TRL, verl and Megatron:
   policy's to say;
 - when to block: ``start(need_bytes=...)`` returns once that much memory is
   free (a KV cache is allocated right after), ``start(need_bytes=0)``
-  returns at once with ``overlap``; ``stop`` returns once every group is
-  back unless the caller says the next collectives all pass the guard;
+  returns at once with ``overlap``, and ``hold_s`` keeps the suspends back
+  until ``start_suspends`` (the rollout's first GPU work goes first: NCCL's
+  host pinning stalls the process's GPU work); ``stop`` returns once every
+  group is back unless the caller says the next collectives all pass the guard;
 - how long the caller waited, per call, for the critical-path figures;
 - a bounded history of reports and one ``metrics()`` covering begin and end.
 
