@@ -177,7 +177,9 @@ class RolloutSession(SessionViews):
             if self.active:
                 return None
             began = time.monotonic()
-            report = self._policy.begin(self.phase, hold_s=hold_s)
+            # hold_s only when asked: a policy subclass with the older begin(phase) works on
+            report = (self._policy.begin(self.phase, hold_s=hold_s) if hold_s
+                      else self._policy.begin(self.phase))
             if need_bytes is None:
                 self._policy.wait()
             elif need_bytes > 0:

@@ -317,16 +317,18 @@ def _event_times(events: list) -> list:
 
 def _transition_figures(amem: dict, rollouts: int) -> dict:
     """Begin/end wall times (worker) and the caller's waits, per rollout."""
-    walls = {"begin": [], "end": []}
+    walls, held = {"begin": [], "end": []}, []
     for t in amem.get("transitions", []):
         if not t.get("skipped"):
             walls[t["kind"]].append(t["wall_seconds"])
+            if t["kind"] == "begin":  # held until the engine's first tokens (wall includes it)
+                held.append(t.get("held_seconds", 0.0))
     waits = amem.get("caller_waits", {})
     guard = amem.get("metrics", {}).get("amem/total/guard_wait_seconds", 0.0)
     n = max(1, rollouts)
     critical = (sum(waits.values()) + guard) / n
     wall = (sum(walls["begin"]) + sum(walls["end"])) / n
-    return {"begin_wall_s": walls["begin"], "end_wall_s": walls["end"],
+    return {"begin_wall_s": walls["begin"], "end_wall_s": walls["end"], "begin_held_s": held,
             "caller_wait_s": waits, "guard_wait_s": guard,
             "critical_path_s": critical, "transition_wall_s": wall,
             "critical_fraction": critical / wall if wall else None,

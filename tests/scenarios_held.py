@@ -57,9 +57,9 @@ def started_by_each_rank(args):
     caller_back_s = time.monotonic() - let_go  # never blocks, even waiting for the peer
     suspended_after_s = _all_suspended_within(fake, 10)
     again = session.start_suspends("twice")
-    begin = session._policy.wait()
+    begin = session.policy.wait()
     end = session.stop("generate")
-    session._policy.wait()
+    session.policy.wait()
     return {"before": before, "kept_ok": kept_ok, "started": started, "again": again,
             "caller_back_s": caller_back_s, "suspended_after_s": suspended_after_s,
             "summary_while_held": summary_while_held, "held_seconds": begin.held_seconds,

@@ -287,8 +287,10 @@ def test_suspend_stall_measures_every_order_on_the_fake_nccl(runs):
             "none", "overlapped", "serial", "pin_only", "alloc_none", "alloc_overlapped", "held",
             "none"]
         held = next(row for row in result["rows"] if row["mode"] == "held")
-        # held until the first step ended, rank r r * 0.3 s later (the steps go on)
-        assert held["held_s"] >= held["first_step_ended_s"] + 0.3 * result["rank"] - 0.01
+        # held until the first step ended, rank r r * 0.3 s later (the steps go on), or
+        # until the work is over and the mode waits for the begin (a short CPU run)
+        assert held["held_s"] >= min(held["first_step_ended_s"] + 0.3 * result["rank"],
+                                     held["work_s"]) - 0.01
         summary = result["summary"]
         assert summary["none"]["work_ratio"] == summary["alloc_none"]["work_ratio"] == 1.0
         assert all(summary[m]["transition_s"] > 0

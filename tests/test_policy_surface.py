@@ -6,10 +6,10 @@ import pytest
 from amem_callbacks import OffloadOptions, OffloadPolicy, RolloutSession
 from amem_callbacks.session import SessionViews
 
-POLICY = {"options", "begin", "end", "phase", "wait", "close", "metrics", "groups", "view",
-          "forget_learned"}
-SESSION = {"phase", "history", "waited", "start", "stop", "settle", "wait_for_memory", "freed",
-           "store_exchange", "store_barrier", "tell_headroom"}
+POLICY = {"options", "begin", "start_suspends", "end", "phase", "wait", "close", "metrics",
+          "groups", "view", "forget_learned"}
+SESSION = {"phase", "history", "waited", "start", "start_suspends", "stop", "settle",
+           "wait_for_memory", "freed", "store_exchange", "store_barrier", "tell_headroom"}
 VIEWS = {"policy", "active", "headroom", "last_begin", "last_end", "metrics"}
 
 

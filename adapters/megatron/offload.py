@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import sys
+import time
 from typing import Optional
 
 from amem_callbacks import OffloadPolicy
@@ -27,6 +28,9 @@ RESUME_FIRST = ("world",)
 #: H200: results/one_h200/suspend_stall), and a first step behind 4.5 GiB of suspends took
 #: 2.57 s instead of 0.32 (results/one_h200/rollout_gain_qwen3_dp2). The bound is for an
 #: engine that never steps (no request reached it): its peers' suspends wait for its own.
+#: Where the last rollout begun at the same seam had suspends that took less than the
+#: time from its begin to the engine's resume, they are not held: they end before the
+#: engine needs the GPU, and the cache can take their memory at the resume (no regrow).
 HOLD_UNTIL_FIRST_TOKEN_S = 5.0
 
 
@@ -53,6 +57,9 @@ class RolloutOffload(SessionViews):
         self._hooks_off: list = []  # model chunks whose parameter-gather hooks are off
         self._warned = False
         self._holding = False  # this rollout's suspends wait for the engine's first tokens
+        self._begin = None  # (seam, report) of this rollout's begin, until the engine resumes
+        self._resumed_after = None  # (seam, report, seconds from the begin to the resume)
+        self._fits_before_resume: dict = {}  # seam -> its last suspends ended before the resume
 
     @property
     def enabled(self) -> bool:
@@ -104,9 +111,10 @@ class RolloutOffload(SessionViews):
         self._hooks_off += param_sync.finish_before_suspend(None, None)
         if self.session is None:
             self.session = RolloutSession(self._build_policy(engine))
-        hold_s = HOLD_UNTIL_FIRST_TOKEN_S if self.options.overlap else 0.0
+        hold_s = self._hold_s(via)
         report = self._logged(self.session.start(via, need_bytes=0, hold_s=hold_s), via)
         self._holding = self.active and hold_s > 0
+        self._begin = (via, report) if report is not None else None
         if self._growth is not None and self.active:
             self._growth.rollout_started(engine)
         return report
@@ -115,7 +123,10 @@ class RolloutOffload(SessionViews):
         """The engine is about to re-allocate its KV cache: begin if not yet; with
         growth on, decide and size this rollout's cache, without waiting for the
         suspends (it grows between steps once they are over: :meth:`engine_step`)."""
-        self.rollout_begin(engine, via=via)
+        if self.rollout_begin(engine, via=via) is None:  # begun earlier, at the loop's seam
+            self._note_suspends_at_resume()
+        else:  # begun here: nothing between it and the engine's work, so always held
+            self._begin = None
         if self._growth is None or not self.active:
             return None
         report = self._growth.before_resume(engine, self.session)
@@ -158,6 +169,28 @@ class RolloutOffload(SessionViews):
         report = self.session.stop(via, guarded_until_settle=_guard_sees_training())
         self.after_rollouts()
         return self._logged(report, via)
+
+    def _note_suspends_at_resume(self) -> None:
+        """The engine is about to resume: keep the time since this rollout's begin, to
+        judge (at the next begin, once its suspends are over) whether they fitted."""
+        if self._begin is not None:
+            via, report = self._begin
+            self._begin, self._resumed_after = None, (via, report,
+                                                      time.monotonic() - report.started)
+
+    def _hold_s(self, via: str) -> float:
+        """This begin's hold: none without overlap, or where the last begin at this seam
+        had suspends (their own duration, held time left out) shorter than its time to
+        the engine's resume."""
+        if self._resumed_after is not None and not self._resumed_after[1].pending:
+            last_via, report, gap = self._resumed_after
+            self._resumed_after = None
+            if not report.skipped and report.planned:
+                self._fits_before_resume[last_via] = \
+                    report.wall_seconds - report.held_seconds < gap
+        if not self.options.overlap or self._fits_before_resume.get(via, False):
+            return 0.0
+        return HOLD_UNTIL_FIRST_TOKEN_S
 
     # --- set-up at the first rollout ----------------------------------------------
     def _build_policy(self, engine) -> OffloadPolicy:

@@ -476,6 +476,7 @@ def amem_summary() -> dict:
             "nccl_bytes": report.nccl_bytes, "gpu_wide_freed_bytes": report.device_freed_bytes,
             "ranks_on_this_gpu": report.device_shared_by, "seconds": report.total_seconds,
             "wall_seconds": report.wall_seconds, "started": report.started,
+            "held_seconds": report.held_seconds,
             "groups": [{"name": g.name, "size": g.size, "action": str(g.action),
                         "bytes": g.suspendable_bytes, "stays_bytes": g.stays_bytes,
                         "path": g.path, "transport": g.transport} for g in report.groups]})
