@@ -225,6 +225,8 @@ class OffloadPolicy:
         - ``amem/total/...``: running totals (begins, ends, group suspends and
           resumes, guard resumes, failures, seconds, device bytes freed);
         - ``amem/learned/<phase>/<group>``: the keeps learned from guard resumes;
+        - ``amem/guard_wait/<group>/calls`` and ``.../seconds``: calls the guard
+          held back until their group was usable (a resume still running);
         - ``amem/inert``: 1 when no backend works here (training runs unchanged);
         - ``amem/pending``: 1 while a begin or end still runs in the background
           (``overlap``): its figures are not in yet, the previous ones are;

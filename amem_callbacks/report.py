@@ -229,6 +229,9 @@ class Counters:
     last_device_freed_bytes: int = 0
     max_device_freed_bytes: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    #: group name -> [calls the guard held back, their seconds]: which group the step after
+    #: a phase waits for (``guard_wait_seconds`` is their sum)
+    _guard_waits: dict = field(default_factory=dict, repr=False, compare=False)
 
     def add(self, name: str, amount=1) -> None:
         with self._lock:
@@ -240,10 +243,22 @@ class Counters:
             self.last_device_freed_bytes = nbytes
             self.max_device_freed_bytes = max(self.max_device_freed_bytes, nbytes)
 
+    def record_guard_wait(self, group_name: str, seconds: float) -> None:
+        """A call the guard held back ``seconds`` until its group was usable."""
+        with self._lock:
+            self.guard_wait_seconds += seconds
+            row = self._guard_waits.setdefault(group_name, [0, 0.0])
+            row[0] += 1
+            row[1] += seconds
+
     def as_dict(self, prefix: str = "amem/") -> dict:
         with self._lock:
-            return {f"{prefix}total/{f.name}": getattr(self, f.name) for f in fields(self)
-                    if not f.name.startswith("_")}
+            out = {f"{prefix}total/{f.name}": getattr(self, f.name) for f in fields(self)
+                   if not f.name.startswith("_")}
+            for name, (calls, seconds) in sorted(self._guard_waits.items()):
+                out[f"{prefix}guard_wait/{name}/calls"] = calls
+                out[f"{prefix}guard_wait/{name}/seconds"] = seconds
+            return out
 
 
 def write_scalars(metrics: dict, tensorboard=None, wandb=None, step: int = 0) -> None:

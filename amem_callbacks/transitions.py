@@ -582,7 +582,7 @@ class Transitions:
         try:
             self._make_usable(state, group, kind, call)
         finally:
-            self.counters.add("guard_wait_seconds", time.monotonic() - began)
+            self.counters.record_guard_wait(state.info.name, time.monotonic() - began)
 
     def _make_usable(self, state: GroupState, group, kind: guard.CallKind, call: str) -> None:
         name = state.info.name

@@ -103,8 +103,10 @@ def started_by_what_needs_them(args):
     if session.active:
         session.stop("generate")
         policy.wait()
+    metrics = policy.metrics()
     out.update(held_seconds=report.held_seconds, counts=_counts(fake), after=fake.suspended(),
-               auto_resumes=policy.metrics()["amem/total/auto_resumes"],
+               auto_resumes=metrics["amem/total/auto_resumes"],
+               guard_waits={k: v for k, v in metrics.items() if k.startswith("amem/guard_wait/")},
                exact=all(allreduce_ok(g, 2.0) for g in groups.values()))
     return out
 

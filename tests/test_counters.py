@@ -84,3 +84,13 @@ def test_a_group_timeout_is_read_and_a_renamed_field_warns_once(caplog):
         assert transitions.group_timeout_s(renamed) == transitions.FALLBACK_TIMEOUT_S
     lines = [r.getMessage() for r in caplog.records if "c10d timeout" in r.getMessage()]
     assert len(lines) == 1 and "Set timeout_s=" in lines[0]
+
+
+def test_guard_waits_are_counted_per_group_and_summed():
+    counters = Counters()
+    for name, seconds in (("dp", 0.25), ("world", 0.5), ("dp", 0.125)):
+        counters.record_guard_wait(name, seconds)
+    flat = counters.as_dict()
+    assert flat["amem/total/guard_wait_seconds"] == 0.875
+    assert (flat["amem/guard_wait/dp/calls"], flat["amem/guard_wait/dp/seconds"]) == (2, 0.375)
+    assert (flat["amem/guard_wait/world/calls"], flat["amem/guard_wait/world/seconds"]) == (1, 0.5)

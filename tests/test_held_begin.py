@@ -50,6 +50,10 @@ def test_what_needs_held_suspends_starts_them(how):
             assert res["during"] == {"dp": True, "ep": True, "tp": False, "world": True}
         if how == "guard":
             assert res["dp_ok"] and res["auto_resumes"] == 1 and res["dp_view"] is None
+            # the call waited for dp's suspend and its resume, and the figures say so
+            assert res["guard_waits"]["amem/guard_wait/dp/calls"] >= 1
+            assert set(res["guard_waits"]) == {"amem/guard_wait/dp/calls",
+                                               "amem/guard_wait/dp/seconds"}
         if how == "memory":
             assert res["freed"] > 0
         if how == "bound":
