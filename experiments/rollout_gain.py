@@ -333,6 +333,9 @@ def _transition_figures(amem: dict, rollouts: int) -> dict:
             "critical_path_s": critical, "transition_wall_s": wall,
             "critical_fraction": critical / wall if wall else None,
             "guard_resumes": amem.get("metrics", {}).get("amem/total/auto_resumes"),
+            # which groups the step after a rollout waited for (calls, seconds)
+            "guard_wait_by_group": {k.split("/")[2]: v for k, v in amem.get("metrics", {}).items()
+                                    if k.startswith("amem/guard_wait/") and k.endswith("seconds")},
             "kv_cache_reports": amem.get("kv_cache")}
 
 
