@@ -25,10 +25,11 @@ def write_run(folder, name, tokens_per_s, blocks, step_s, rc=0, amem=False):
                        for i in range(4)], "amem": None}
     if amem:
         record["amem"] = {"installed": True, "transitions": [
-            {"kind": "begin", "wall_seconds": 2.0, "skipped": None},
+            {"kind": "begin", "wall_seconds": 2.0, "skipped": None, "held_seconds": 0.25},
             {"kind": "end", "wall_seconds": 1.0, "skipped": None}] * 2,
             "caller_waits": {"start": 0.2, "stop": 0.0, "memory": 1.8},
-            "metrics": {"amem/total/guard_wait_seconds": 0.4, "amem/total/auto_resumes": 0}}
+            "metrics": {"amem/total/guard_wait_seconds": 0.4, "amem/total/auto_resumes": 0,
+                        "amem/guard_wait/dp/calls": 2, "amem/guard_wait/dp/seconds": 0.4}}
     with open(prefix + ".rank0.json", "w") as f:
         json.dump(record, f)
 
@@ -53,6 +54,8 @@ def test_merge_reports_medians_of_pair_ratios_and_the_control(tmp_path):
     # (0.2 + 1.8 + 0.4) s waited over 2 rollouts, against (2 + 1) s of transitions each
     assert critical["critical_path_s"] == 1.2 and critical["transition_wall_s"] == 3.0
     assert abs(critical["critical_fraction"] - 0.4) < 1e-9
+    run = critical["per_run"][0]
+    assert run["guard_wait_by_group"] == {"dp": 0.4} and run["begin_held_s"] == [0.25, 0.25]
 
 
 def test_merge_splits_the_rollout_into_the_wait_for_the_kv_cache_and_generation(tmp_path):
