@@ -56,7 +56,6 @@ class RolloutOffload(SessionViews):
             if settings.grow_kv_cache else None
         self._hooks_off: list = []  # model chunks whose parameter-gather hooks are off
         self._warned = False
-        self._holding = False  # this rollout's suspends wait for the engine's first tokens
         self._begin = None  # (seam, report) of this rollout's begin, until the engine resumes
         self._resumed_after = None  # (seam, report, seconds from the begin to the resume)
         self._fits_before_resume: dict = {}  # seam -> its last suspends ended before the resume
@@ -113,7 +112,6 @@ class RolloutOffload(SessionViews):
             self.session = RolloutSession(self._build_policy(engine))
         hold_s = self._hold_s(via)
         report = self._logged(self.session.start(via, need_bytes=0, hold_s=hold_s), via)
-        self._holding = self.active and hold_s > 0
         self._begin = (via, report) if report is not None else None
         if self._growth is not None and self.active:
             self._growth.rollout_started(engine)
@@ -148,8 +146,7 @@ class RolloutOffload(SessionViews):
 
     def engine_stepped(self, engine, result, via: str = "") -> None:
         """A step has ended: the first with tokens lets this rank's suspends start."""
-        if self._holding and tokens_of(result) > 0:
-            self._holding = False
+        if self.active and tokens_of(result) > 0:  # a no-op once they started
             self.session.start_suspends(via or "the engine's first step with tokens")
         if self._growth is not None and self.active:
             self._growth.after_step(engine, result)
@@ -158,7 +155,6 @@ class RolloutOffload(SessionViews):
         """Collective over all ranks: resume what ``rollout_begin`` suspended."""
         if not self.active:
             return None
-        self._holding = False  # the end starts what is still held, then resumes
         if self._growth is not None:
             grown = self._growth.grown
             figures = self._growth.at_end(engine, self.session)
