@@ -30,6 +30,8 @@ def test_a_result_records_its_commit_from_git_or_from_an_export(tmp_path, monkey
         head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True,
                               text=True).stdout.strip()
         assert run_commit(root) == head
+        monkeypatch.setenv("AMEM_COMMIT", "f00d")  # the caller's word beats a stale .git
+        assert run_commit(root) == "f00d"
     export = tmp_path / "export"  # git archive: no .git
     export.mkdir()
     monkeypatch.delenv("AMEM_COMMIT", raising=False)

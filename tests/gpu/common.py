@@ -327,10 +327,16 @@ def process_device_bytes():
 
 
 def run_commit(root: str = None):
-    """The commit a result was made at: ``git rev-parse HEAD`` of the tree, or, for
-    an exported copy without .git (``git archive``, as a device call may carry),
-    ``AMEM_COMMIT`` or a ``COMMIT`` file written at export; None if none says."""
+    """The commit a result was made at: ``AMEM_COMMIT`` where the caller says it (the
+    GPU machine's copy of the tree can carry the git metadata of an earlier commit
+    than its files: measured, a run of 2752ac2's files read cf62915 there), else
+    ``git rev-parse HEAD`` of the tree, else, for an exported copy
+    without .git (``git archive``), a ``COMMIT`` file written at export; None if
+    none says."""
     import subprocess
+
+    if os.environ.get("AMEM_COMMIT"):
+        return os.environ["AMEM_COMMIT"]
 
     root = root or os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     try:  # only a checkout whose top is this tree: an export inside another checkout
@@ -342,8 +348,6 @@ def run_commit(root: str = None):
             return lines[1]
     except (OSError, subprocess.SubprocessError):
         pass
-    if os.environ.get("AMEM_COMMIT"):
-        return os.environ["AMEM_COMMIT"]
     try:
         with open(os.path.join(root, "COMMIT")) as f:
             return f.read().strip() or None
