@@ -315,6 +315,9 @@ def _event_times(events: list) -> list:
     return out
 
 
+GUARD_WAIT = "amem/guard_wait/"  # + <group>/seconds: the package's per-group guard waits
+
+
 def _transition_figures(amem: dict, rollouts: int) -> dict:
     """Begin/end wall times (worker) and the caller's waits, per rollout."""
     walls, held = {"begin": [], "end": []}, []
@@ -334,8 +337,9 @@ def _transition_figures(amem: dict, rollouts: int) -> dict:
             "critical_fraction": critical / wall if wall else None,
             "guard_resumes": amem.get("metrics", {}).get("amem/total/auto_resumes"),
             # which groups the step after a rollout waited for (calls, seconds)
-            "guard_wait_by_group": {k.split("/")[2]: v for k, v in amem.get("metrics", {}).items()
-                                    if k.startswith("amem/guard_wait/") and k.endswith("seconds")},
+            "guard_wait_by_group": {k[len(GUARD_WAIT):-len("/seconds")]: v
+                                    for k, v in amem.get("metrics", {}).items()
+                                    if k.startswith(GUARD_WAIT) and k.endswith("/seconds")},
             "kv_cache_reports": amem.get("kv_cache")}
 
 

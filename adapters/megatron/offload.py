@@ -56,8 +56,9 @@ class RolloutOffload(SessionViews):
             if settings.grow_kv_cache else None
         self._hooks_off: list = []  # model chunks whose parameter-gather hooks are off
         self._warned = False
-        self._begin = None  # (seam, report) of this rollout's begin, until the engine resumes
-        self._resumed_after = None  # (seam, report, seconds from the begin to the resume)
+        # [seam, report, seconds from it to the engine's resume (None: not yet)] of the
+        # latest begin: the next begin at that seam reads it
+        self._last_begin: Optional[list] = None
         self._fits_before_resume: dict = {}  # seam -> its last suspends ended before the resume
 
     @property
@@ -112,7 +113,8 @@ class RolloutOffload(SessionViews):
             self.session = RolloutSession(self._build_policy(engine))
         hold_s = self._hold_s(via)
         report = self._logged(self.session.start(via, need_bytes=0, hold_s=hold_s), via)
-        self._begin = (via, report) if report is not None else None
+        if report is not None:
+            self._last_begin = [via, report, None]
         if self._growth is not None and self.active:
             self._growth.rollout_started(engine)
         return report
@@ -121,10 +123,12 @@ class RolloutOffload(SessionViews):
         """The engine is about to re-allocate its KV cache: begin if not yet; with
         growth on, decide and size this rollout's cache, without waiting for the
         suspends (it grows between steps once they are over: :meth:`engine_step`)."""
-        if self.rollout_begin(engine, via=via) is None:  # begun earlier, at the loop's seam
-            self._note_suspends_at_resume()
-        else:  # begun here: nothing between it and the engine's work, so always held
-            self._begin = None
+        # How long the suspends had until the engine's work: since the begin at the loop's
+        # seam; none when begun here (so that seam always holds).
+        begun_here = self.rollout_begin(engine, via=via) is not None
+        if self._last_begin is not None and self._last_begin[2] is None:
+            self._last_begin[2] = 0.0 if begun_here else \
+                time.monotonic() - self._last_begin[1].started
         if self._growth is None or not self.active:
             return None
         report = self._growth.before_resume(engine, self.session)
@@ -166,22 +170,13 @@ class RolloutOffload(SessionViews):
         self.after_rollouts()
         return self._logged(report, via)
 
-    def _note_suspends_at_resume(self) -> None:
-        """The engine is about to resume: keep the time since this rollout's begin, to
-        judge (at the next begin, once its suspends are over) whether they fitted."""
-        if self._begin is not None:
-            via, report = self._begin
-            self._begin, self._resumed_after = None, (via, report,
-                                                      time.monotonic() - report.started)
-
     def _hold_s(self, via: str) -> float:
         """This begin's hold: none without overlap, or where the last begin at this seam
         had suspends (their own duration, held time left out) shorter than its time to
         the engine's resume."""
-        if self._resumed_after is not None and not self._resumed_after[1].pending:
-            last_via, report, gap = self._resumed_after
-            self._resumed_after = None
-            if not report.skipped and report.planned:
+        if self._last_begin is not None:
+            last_via, report, gap = self._last_begin
+            if gap is not None and not report.pending and not report.skipped and report.planned:
                 self._fits_before_resume[last_via] = \
                     report.wall_seconds - report.held_seconds < gap
         if not self.options.overlap or self._fits_before_resume.get(via, False):

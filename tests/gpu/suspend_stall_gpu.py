@@ -160,14 +160,14 @@ def one_mode(mode: str, policy: OffloadPolicy, x: torch.Tensor, count: int, nbyt
         pinning = threading.Thread(target=lambda: pinned_s.append(pin(nbytes)))
         pinning.start()
     if transition == "held":  # let go after the first step, rank r r * HELD_SKEW_S later
-        let_go_at = []
+        let_go_at = None
 
         def after_step(ended: float) -> None:
-            if not let_go_at:
-                let_go_at.append(ended + dist.get_rank() * HELD_SKEW_S)
-            if let_go_at[0] is not None and ended >= let_go_at[0]:
-                policy.start_suspends()
-                let_go_at[0] = None
+            nonlocal let_go_at
+            if let_go_at is None:
+                let_go_at = ended + dist.get_rank() * HELD_SKEW_S
+            if ended >= let_go_at:
+                policy.start_suspends()  # a no-op once they started
     steps = run_steps(x, count, step, after_step)
     work_s = steps[-1][1] - t0
     transition_s, held_s = None, None
