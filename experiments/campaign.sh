@@ -7,7 +7,8 @@
 #
 #   bash experiments/campaign.sh setup                  # NCCL, the bundle, machine.txt; once a machine
 #   bash experiments/campaign.sh start NAME [VAR=VALUE ...] -- COMMAND...
-#   bash experiments/campaign.sh wait NAME DIR SECONDS  # 0: done (its rc in the log), 3: still running
+#   bash experiments/campaign.sh wait NAME DIR SECONDS  # 0: done (its rc in the log), 3: still running,
+#                                                     # 4: not on this machine (a fresh one)
 #
 # NAME's log is /tmp/g/NAME.log, its exit status /tmp/g/NAME.rc; DIR is the folder the
 # step writes (its runs.tgz, JSON and plot come back). VAR=VALUE pairs (CUDA_VISIBLE_DEVICES=1)
@@ -58,6 +59,13 @@ start)
     ;;
 wait)
     name=${1:?NAME}; dir=${2:?DIR}; seconds=${3:-540}
+    if [ ! -e "$G/$name.log" ] && [ ! -e "$G/$name.rc" ]; then
+        # A fresh machine (the held one went back between two calls): nothing of the step
+        # is here, so waiting would only spend device time (2026-12-04 lost 580 s that way).
+        echo "$name: never started on this machine (the machine that ran it went back);" \
+             "what came back from the last wait is all there is: start again"
+        exit 4
+    fi
     deadline=$((SECONDS + seconds))
     while [ ! -e "$G/$name.rc" ] && [ $SECONDS -lt $deadline ]; do sleep 5; done
     if [ -n "${OUT:-}" ]; then  # at most 8 files come back

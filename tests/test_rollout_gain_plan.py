@@ -997,7 +997,8 @@ def test_a_run_that_runs_out_of_memory_is_stopped_and_reads_as_such(tmp_path):
 def test_the_campaign_runs_a_step_detached_and_polls_it_into_out(tmp_path):
     """experiments/campaign.sh's start and wait (its setup needs the GPU machine's
     carried files): the step outlives the call that started it, its environment
-    pairs reach it, and each wait brings its folder's results and log into $OUT."""
+    pairs reach it, and each wait brings its folder's results and log into $OUT; a wait for a step this
+    machine never started (a fresh machine) says so at once instead of waiting."""
     script = os.path.join(ROOT, "experiments", "campaign.sh")
     work, out, results = tmp_path / "g", tmp_path / "out", tmp_path / "step"
     out.mkdir()
@@ -1016,6 +1017,9 @@ def test_the_campaign_runs_a_step_detached_and_polls_it_into_out(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "done, rc=0" in done.stdout, done.stdout + done.stderr
     assert "gpu 1" in (out / "demo.log").read_text() and (out / "curve.json").exists()
+    lost = subprocess.run(["bash", script, "wait", "other", str(results), "30"], env=env,
+                          capture_output=True, text=True, timeout=10)
+    assert lost.returncode == 4 and "never started on this machine" in lost.stdout
     wrong = subprocess.run(["bash", script, "launch"], env=env, capture_output=True, text=True,
                            timeout=60)
     assert wrong.returncode == 2 and "unknown step" in wrong.stdout
