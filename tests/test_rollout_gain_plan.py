@@ -36,6 +36,7 @@ sys.path.insert(0, ROOT)
 
 from experiments import presets, rollout_gain  # noqa: E402
 from tests.gpu import megatron_rl_gpu, megatron_runs  # noqa: E402
+from amem_callbacks.tools.pairs import Interleaved, Pair  # noqa: E402
 
 RECORDED = os.path.join(ROOT, "results", "one_h200", "rollout_gain_megatron_dp2")
 GiB, MiB = 2**30, 2**20
@@ -1038,3 +1039,24 @@ def test_the_launch_point_is_the_curves_own_run_of_the_launch_buffer_where_it_ha
     assert rollout_gain._launch_run(str(tmp_path)) == ""  # no calibration.json: calibrate's
     (tmp_path / "calibration.json").write_text(json.dumps({"buffer_gb": 10.5}))
     assert rollout_gain._launch_run(str(tmp_path)) == own
+
+
+def test_the_set_up_reads_the_asked_generation_length_and_the_measured_mean():
+    """A sampled model ends a few requests early: the length check is on what every
+    request was asked to generate, with the measured mean at 99 % of it."""
+    line = "torchrun x.py --inference-max-seq-length 544 --seq-length 1088"
+    assert rollout_gain.generation_length([line, line]) == 544 - presets.PROMPT_TOKENS
+    assert rollout_gain.generation_length([line, line.replace("544", "64")]) is None
+    assert rollout_gain.generation_length(["torchrun x.py"]) is None
+
+    def set_up(means, lines):
+        results = {side: {"generated_tokens_per_request": mean, "rollout_s": 40.0,
+                          "kv_bytes": 10, "freed_bytes": 4} for side, mean in means.items()}
+        pair = Pair(0, ("without", "with"), results, {"without": 1.0, "with": 1.0})
+        return rollout_gain.gain_summary(Interleaved(("without", "with"), [pair]), None,
+                                         lines)["set_up"]["generations_of_at_least_512_tokens"]
+
+    assert set_up({"without": 513.0, "with": 511.6}, [line]) is True
+    assert set_up({"without": 513.0, "with": 500.0}, [line]) is False  # many ended early
+    assert set_up({"without": 60.0, "with": 60.0}, [line.replace("544", "64")]) is False
+    assert set_up({"without": 513.0, "with": 513.0}, []) is None
