@@ -55,9 +55,23 @@ class FakeNccl:
     NCCL would.
     """
 
-    def __init__(self, variant: str = "suspend", sizes: dict = None, default_mib: int = 480):
+    #: FakeNccl instances made in this process (the same count on every rank: a
+    #: scenario makes them at the same points), naming each one's shared folder
+    made = 0
+
+    def __init__(self, variant: str = "suspend", sizes: dict = None, default_mib: int = 480,
+                 peers: bool = False):
+        """``peers``: each group's suspends and resumes wait for all its members, as
+        NCCL's do (tests/fake_nccl/fake_nccl.c, "Peers"), through a folder this job's
+        ranks agree on over the default store. Off by default: with it, the scenarios
+        that inject an error on one rank (``inject``) wait for a member that never comes,
+        the package's repair of a one-rank failure (a resume on the ranks that
+        suspended, a retried resume on the rank that failed) being a call only some
+        members make; what real NCCL does there is not measured."""
         tripwire.install()  # idempotent; main() installs it first for every scenario
         self.variant = variant
+        FakeNccl.made += 1
+        self.peer_folder = _job_folder(f"fake-nccl-peers-{FakeNccl.made}") if peers else None
         self.path = build(variant, os.environ.get("AMEM_FAKE_NCCL_DIR"))
         self.controls = FakeControls(self.path)
         self.library = NcclLibrary.open(self.path)
@@ -73,6 +87,9 @@ class FakeNccl:
         if name not in self.comms:
             size = self.sizes.get(name, self.default_mib)
             self.comms[name] = self.controls.create(int(size * MiB))
+            if self.peer_folder and dist.get_world_size(group) > 1:
+                self.controls.set_peers(self.comms[name], os.path.join(self.peer_folder, name),
+                                        dist.get_rank(group), dist.get_world_size(group))
         tripwire.register(group, self.controls, self.comms[name], name,
                           amem=self.variant == "amem")
         return self.comms[name], None
@@ -82,6 +99,19 @@ class FakeNccl:
 
     def suspended(self) -> dict:
         return {name: self.controls.suspended(c) for name, c in sorted(self.comms.items())}
+
+
+def _job_folder(key: str) -> str:
+    """A folder new to this job, the same on every rank: rank 0 makes it and says
+    where over the default store (no collective: nothing on a group)."""
+    import tempfile
+
+    from torch.distributed import distributed_c10d as c10d
+
+    store = c10d._get_default_store()
+    if rank() == 0:
+        store.set(key, tempfile.mkdtemp(prefix="fake-nccl-peers-"))
+    return store.get(key).decode()
 
 
 def make_groups(world: int) -> dict:
@@ -95,20 +125,21 @@ def make_groups(world: int) -> dict:
     return groups
 
 
-def fake_groups(sizes: dict = None):
+def fake_groups(sizes: dict = None, peers: bool = False):
     """A scenario's start: gloo ranks, the groups of :func:`make_groups` with their
-    communicators made (one collective each), a fake NCCL behind them.
+    communicators made (one collective each), a fake NCCL behind them (``peers``: its
+    suspends and resumes wait for the group's other members, as NCCL's do).
     Returns ``(groups, fake)``."""
     init()
     groups = make_groups(dist.get_world_size())
     for g in groups.values():
         allreduce_ok(g)
-    return groups, FakeNccl(sizes=sizes)
+    return groups, FakeNccl(sizes=sizes, peers=peers)
 
 
-def fake_job(sizes: dict = None):
+def fake_job(sizes: dict = None, peers: bool = False):
     """:func:`fake_groups` and a policy keeping tp: ``(groups, fake, policy)``."""
-    groups, fake = fake_groups(sizes)
+    groups, fake = fake_groups(sizes, peers)
     policy = OffloadPolicy(backend=fake.backend(), keep=["tp"], agree_timeout_s=20,
                            timeout_s=30)
     return groups, fake, policy
@@ -179,7 +210,8 @@ def discovery(args):
 @scenario
 def fake_cycle(args):
     """Plan, agree, suspend, keep, resume on fake NCCL; collectives exact throughout."""
-    groups, fake, policy = fake_job(sizes={"ep": 2})  # ep is under min_bytes
+    # suspends and resumes wait for every member, as NCCL's do
+    groups, fake, policy = fake_job(sizes={"ep": 2}, peers=True)  # ep is under min_bytes
     cycles = []
     for cycle in range(args.get("cycles", 3)):
         begin = policy.begin("rollout")

@@ -1,9 +1,10 @@
 """Scenarios of a begin that holds its suspends (``begin(hold_s=...)``): agreed at
 the call, started by ``start_suspends``, by whatever needs them over, or by the
 bound. Run as ``tests.scenarios_held:NAME`` by tests/test_held_begin.py on gloo
-ranks with the fake NCCL. Its suspends do not wait for the group's other members
-as NCCL's do (a bootstrap barrier): tests/gpu/suspend_stall_gpu.py's held mode runs
-ranks that let go at different moments on real NCCL."""
+ranks with the fake NCCL, whose suspends and resumes here wait for the group's other
+members as NCCL's do (a bootstrap barrier): a rank that lets go first waits for the
+others in the background. tests/gpu/suspend_stall_gpu.py's held mode runs ranks that
+let go at different moments on real NCCL."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def _all_suspended_within(fake, seconds: float) -> float:
 def started_by_each_rank(args):
     """Held until each rank calls start_suspends, rank 1 later than rank 0: nothing
     is suspended before, everything after, and letting go never blocks the caller."""
-    groups, fake = fake_groups()
+    groups, fake = fake_groups(peers=True)
     session = RolloutSession(_policy(fake))
     report = session.start("generate", need_bytes=0, hold_s=HOLD_S)
     summary_while_held = report.summary()
@@ -76,7 +77,7 @@ def started_by_what_needs_them(args):
     collective on a held group suspends it as agreed, then resumes it for the call;
     memory: a wait for freed bytes; bound: hold_s passes."""
     how = args["how"]
-    groups, fake = fake_groups()
+    groups, fake = fake_groups(peers=True)
     policy = _policy(fake)
     session = RolloutSession(policy)
     hold_s = 0.4 if how == "bound" else HOLD_S
@@ -115,7 +116,7 @@ def held_then_cycles(args):
     """Held begins in a row, each started at another moment, with a plain begin between:
     every round of the agreement stays in step on both ranks (the same plans, exact
     collectives, one suspend and one resume per cycle)."""
-    groups, fake = fake_groups()
+    groups, fake = fake_groups(peers=True)
     policy = _policy(fake)
     rows = []
     for cycle in range(4):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import shutil
 import subprocess
@@ -20,7 +21,9 @@ SUSPEND_OP, RESUME_OP = 0, 1
 def build(variant: str = "suspend", out_dir: str = None) -> str:
     """Compile a variant once per folder and return the library path."""
     out_dir = out_dir or os.environ.get("AMEM_FAKE_NCCL_DIR") or tempfile.mkdtemp(prefix="fake-nccl-")
-    path = os.path.join(out_dir, f"libnccl-fake-{variant}.so")
+    with open(SOURCE, "rb") as source:  # a folder kept between runs never serves an old build
+        digest = hashlib.sha256(source.read()).hexdigest()[:10]
+    path = os.path.join(out_dir, f"libnccl-fake-{variant}-{digest}.so")
     if not os.path.exists(path):
         compiler = shutil.which("cc") or shutil.which("gcc")
         if compiler is None:
@@ -49,6 +52,9 @@ class FakeControls:
             "fakeCommOpenGate": (ctypes.c_void_p,),
             "fakeCommInSuspend": (ctypes.c_void_p,),
             "fakeCommGateTimedOut": (ctypes.c_void_p,),
+            "fakeCommSetPeers": (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_int),
+            "fakeCommInBarrier": (ctypes.c_void_p,),
+            "fakeCommPeerTimedOut": (ctypes.c_void_p,),
         }
         for name, types in argtypes.items():
             getattr(self.lib, name).argtypes = types
@@ -102,3 +108,18 @@ class FakeControls:
 
     def gate_timed_out(self, comm: int) -> bool:
         return bool(self.lib.fakeCommGateTimedOut(comm))
+
+    def set_peers(self, comm: int, folder: str, rank: int, count: int) -> None:
+        """``comm``'s suspends and resumes wait for its ``count`` members, as NCCL's
+        do: each member marks a round in ``folder`` (shared by the group's ranks, new
+        for each job) and waits for the others' marks."""
+        os.makedirs(folder, exist_ok=True)
+        self.lib.fakeCommSetPeers(comm, folder.encode(), rank, count)
+
+    def in_barrier(self, comm: int) -> bool:
+        """A suspend or resume of ``comm`` is waiting for a member that has not come."""
+        return bool(self.lib.fakeCommInBarrier(comm))
+
+    def peer_timed_out(self, comm: int) -> bool:
+        """A wait for a member ran past FAKE_NCCL_PEER_WAIT_S (NCCL would still wait)."""
+        return bool(self.lib.fakeCommPeerTimedOut(comm))

@@ -7,8 +7,15 @@
  *   -DNO_SUSPEND an older NCCL (2.28.9) without them
  *   -DAMEM       AMem's patched NCCL 2.27.5: ncclPause/ncclResume, process-wide
  * FAKE_NCCL_VERSION in the environment overrides the reported version.
+ *
+ * Peers: NCCL's suspend and resume wait for every member of the communicator (a
+ * bootstrap barrier, src/mem_manager.cc). A fake communicator given its peers
+ * (fakeCommSetPeers) waits too, through files in a folder its group's ranks share; a
+ * peer that never comes ends the wait after FAKE_NCCL_PEER_WAIT_S seconds (60) with
+ * ncclSystemError and peer_timed_out set, where NCCL would wait forever.
  */
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -36,6 +43,9 @@ typedef struct fakeComm {
    * which only a Python thread can call. If the caller of ncclCommSuspend holds
    * the GIL, no Python thread can run, the wait runs out and gate_timed_out says so. */
   volatile int gate, gate_open, in_suspend, gate_timed_out;
+  char peer_dir[512];
+  int peer_rank, peer_count, peer_round; /* rounds: every member's suspends and resumes, in order */
+  volatile int in_barrier, peer_timed_out;
 } fakeComm;
 
 ncclResult_t ncclGetVersion(int* version) {
@@ -64,8 +74,39 @@ static int injected(fakeComm* c, int op) {
   return ncclSuccess;
 }
 
+static int peers_arrived(fakeComm* c, int round) {
+  char path[600];
+  for (int r = 0; r < c->peer_count; r++) {
+    snprintf(path, sizeof path, "%s/%d.%d", c->peer_dir, round, r);
+    if (access(path, F_OK) != 0) return 0;
+  }
+  return 1;
+}
+
+static ncclResult_t peer_barrier(fakeComm* c) {
+  if (c->peer_count <= 1) return ncclSuccess;
+  int round = ++c->peer_round;
+  char path[600];
+  snprintf(path, sizeof path, "%s/%d.%d", c->peer_dir, round, c->peer_rank);
+  FILE* mark = fopen(path, "w");
+  if (!mark) return ncclSystemError;
+  fclose(mark);
+  const char* env = getenv("FAKE_NCCL_PEER_WAIT_S");
+  long limit_ms = (long)((env ? atof(env) : 60.0) * 1000);
+  c->in_barrier = 1;
+  long waited_ms = 0;
+  while (!peers_arrived(c, round) && waited_ms < limit_ms) { usleep(1000); waited_ms++; }
+  c->in_barrier = 0;
+  if (!peers_arrived(c, round)) { c->peer_timed_out = 1; return ncclSystemError; }
+  return ncclSuccess;
+}
+
+/* An injected error comes after the peer wait, as NCCL's own do once its members met
+ * (a host backup that cannot be allocated, a copy that fails): the peers go on. */
 ncclResult_t ncclCommSuspend(fakeComm* c, int flags) {
   if (!c || flags != 1) return ncclInvalidArgument;
+  if (c->suspended && !(c->fail_times > 0 && c->fail_op == 0)) return ncclInvalidUsage;
+  if (peer_barrier(c) != ncclSuccess) return ncclSystemError;
   ncclResult_t r = injected(c, 0);
   if (r != ncclSuccess) { if (c->fail_half) c->suspended = 1; return r; }
   if (c->suspended) return ncclInvalidUsage;
@@ -83,6 +124,8 @@ ncclResult_t ncclCommSuspend(fakeComm* c, int flags) {
 
 ncclResult_t ncclCommResume(fakeComm* c) {
   if (!c) return ncclInvalidArgument;
+  if (!c->suspended && !(c->fail_times > 0 && c->fail_op == 1)) return ncclInvalidUsage;
+  if (peer_barrier(c) != ncclSuccess) return ncclSystemError;
   ncclResult_t r = injected(c, 1);
   if (r != ncclSuccess) return r;
   if (!c->suspended) return ncclInvalidUsage;
@@ -131,3 +174,9 @@ int fakeCommInSuspend(fakeComm* c) { return c->in_suspend; }
 int fakeCommGateTimedOut(fakeComm* c) { return c->gate_timed_out; }
 int fakeCommSuspended(fakeComm* c) { return c->suspended; }
 int fakeCommCount(fakeComm* c, int op) { return op == 0 ? c->suspends : c->resumes; }
+void fakeCommSetPeers(fakeComm* c, const char* dir, int rank, int count) {
+  snprintf(c->peer_dir, sizeof c->peer_dir, "%s", dir);
+  c->peer_rank = rank; c->peer_count = count; c->peer_round = 0;
+}
+int fakeCommInBarrier(fakeComm* c) { return c->in_barrier; }
+int fakeCommPeerTimedOut(fakeComm* c) { return c->peer_timed_out; }
