@@ -50,6 +50,7 @@ start)
     while [ $# -gt 0 ] && [ "$1" != "--" ]; do vars+=("$1"); shift; done
     shift  # the --
     rm -f "$G/$name.rc"
+    : > "$G/$name.log"  # started here, before the detached shell runs: a wait at once sees it
     [ -e /tmp/nccl/libnccl.so.2 ] && vars=(LD_PRELOAD=/tmp/nccl/libnccl.so.2 "${vars[@]}")
     # its own session and no file of this call's: the call returns at once
     PYTHONUNBUFFERED=1 setsid env "${vars[@]}" bash -c \
