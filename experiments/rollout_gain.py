@@ -5,7 +5,7 @@ loop, KV-bound, with and without the package, in interleaved pairs.
     python3 experiments/rollout_gain.py calibrate OUT [--preset P]   # the memory a run needs
     python3 experiments/rollout_gain.py curve OUT [--preset P] [--points 14.67 10.5:88]
     python3 experiments/rollout_gain.py run OUT --pairs 3 [--first 0] [--control] [--preset P]
-        [--sides without,with | nogrow,with] [--gpus N]
+        [--sides without,with | nogrow,with] [--only SIDE] [--gpus N]
     python3 experiments/rollout_gain.py merge OUT  # rollout_gain, critical_path, curve .json
     python3 experiments/rollout_gain.py plot OUT [--pair 0]   # memory over time of one pair
 
@@ -419,6 +419,8 @@ def _pairs(args, wave, sides: tuple, port: int) -> list:
     other on one GPU, the baseline first in even pairs, up to the first that fails;
     else every run of the wave at once, each on its GPU, all waited for."""
     order = {i: sides if i % 2 == 0 else sides[::-1] for i in wave}
+    if args.only:  # the pair's other side ran on a machine that went back mid-pair
+        order = {i: tuple(s for s in order[i] if s == args.only) for i in wave}
     done = []
     if args.gpus < 2:
         for i in wave:
@@ -890,6 +892,9 @@ def main(argv=None) -> int:
     parser.add_argument("--control", action="store_true", help="run the control after the pairs")
     parser.add_argument("--sides", default="without,with", choices=("without,with", "nogrow,with"),
                         help="the baseline, then the compared side")
+    parser.add_argument("--only", choices=("without", "with", "nogrow"), default=None,
+                        help="run one side of each pair: the other side already ran (its machine "
+                             "went back mid-pair); merge the two folders' files into one")
     parser.add_argument("--gpus", type=int, default=1,
                         help="GPUs on the machine: with 2 or more, a pair's sides run at once")
     parser.add_argument("--ranks", type=int, default=2)
@@ -927,6 +932,9 @@ def main(argv=None) -> int:
             setattr(args, name, default)
     if args.slack_gb is None:
         args.slack_gb = presets.plan(preset, buffer_gb=args.buffer_gb)["slack_gb"]
+    if args.only and args.only not in args.sides.split(","):
+        parser.error(f"--only {args.only} is not one of --sides {args.sides}: write "
+                     f"--only {' or --only '.join(args.sides.split(','))}")
     if args.what != "plan" and not args.out:
         parser.error(f"{args.what} needs OUT")
     return {"plan": plan_command, "run": run, "calibrate": calibrate, "curve": curve,

@@ -287,6 +287,19 @@ def test_each_sides_command_line_is_what_the_experiment_claims(name, tmp_path, f
             os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
+def test_only_one_side_runs_the_half_of_a_pair_a_lost_machine_left(tmp_path, fake_runs, capsys):
+    """--only: the side a machine that went back never ran, in the pair's own order and
+    flags; a side the pairs do not have stops before any run, naming the ones they do."""
+    assert rollout_gain.main(["run", str(tmp_path), "--preset", "qwen3_1_7b", "--first", "3",
+                              "--pairs", "2", "--only", "without"]) == 0
+    assert [r.name for r in fake_runs.started] == ["pair3_without", "pair4_without"]
+    assert all(parse_command(r.argv)[0] is None for r in fake_runs.started)
+    with pytest.raises(SystemExit):
+        rollout_gain.main(["run", str(tmp_path), "--only", "nogrow"])
+    assert "--only without or --only with" in capsys.readouterr().err
+    assert len(fake_runs.started) == 2
+
+
 def test_sequence_packing_trains_in_bins_and_leaves_the_rollout_as_it_was(tmp_path, fake_runs):
     """--sequences-per-bin 2: train_rl.py packs two sequences a micro-batch (bins of
     twice the sequence, Megatron's own flags), the rollout's flags unchanged; the plan
