@@ -237,8 +237,9 @@ def figures(prefix: str) -> dict:
         if steps:
             out[key] = _median([s[key] for s in steps])
     times = [it["time"] for it in first["iterations"]]
-    out["step_s"] = _median([b - a for a, b in zip(times[1:], times[2:])] or
-                            [b - a for a, b in zip(times, times[1:])])
+    out["step_s_each"] = [b - a for a, b in zip(times[1:], times[2:])] or \
+        [b - a for a, b in zip(times, times[1:])]
+    out["step_s"] = _median(out["step_s_each"])
     out.update(_phase_figures(records))
     last = records[max(records)]
     out["losses"] = [(it["iteration"], it["loss"]) for it in last["iterations"]]
@@ -277,7 +278,22 @@ def _phase_figures(records: dict) -> dict:
     trains = [r.get("train_step_seconds") or [] for r in records.values()]
     if all(trains):
         out["train_step_s"] = _median([max(step) for step in zip(*trains)])
+    after = _after_rollout(records)
+    if after:
+        out["after_rollout_s"] = _median(after)
     return out
+
+
+def _after_rollout(records: dict) -> list:
+    """Per later rollout, the slower rank: Megatron's data step (``get_grpo_data_iterator``)
+    less the generation inside it: the log-prob passes, the resumes behind them and the
+    guard's waits. With growth on or off it is the same work, so its spread between
+    iterations is the loop's own noise, which the iteration-time ratio carries too."""
+    per_rank = []
+    for record in records.values():
+        steps, generations = record.get("rollouts") or [], record.get("generations") or []
+        per_rank.append([s["seconds"] - g["seconds"] for s, g in zip(steps, generations)][1:])
+    return [max(each) for each in zip(*per_rank)] if per_rank else []
 
 
 def _first_token_after_suspends(records: dict) -> list:
@@ -716,6 +732,17 @@ def gain_summary(result: Interleaved, control, commands: list) -> dict:
         "generation_s_ratio": result.ratio("generation_s"),
         "wait_before_kv_s": per_side("wait_before_kv_s"),
         "train_step_time_ratio": result.ratio("train_step_s"),
+        # the iteration's three parts, per side (medians of the pairs): growth changes the
+        # generation only; the other two are the same work on both sides
+        "iteration_phases": {side: {key: _median([p.results[side].get(key)
+                                                  for p in result.pairs])
+                                    for key in ("generation_s", "after_rollout_s",
+                                                "train_step_s", "step_s")}
+                             for side in result.sides},
+        # every measured iteration of every pair, pooled: compared mean / baseline mean
+        "step_time_ratio_pooled": _ratio(
+            _mean([t for p in result.pairs for t in p.results[other].get("step_s_each") or []]),
+            _mean([t for p in result.pairs for t in p.results[base].get("step_s_each") or []])),
         # the new design: concurrency follows the blocks, nothing waits before generating
         "concurrency_ratio": concurrency,
         "concurrency_ratio_spread": result.spread("peak_in_flight"),

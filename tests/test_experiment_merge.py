@@ -117,3 +117,38 @@ def test_the_first_experiments_recorded_runs_merge_to_their_committed_figures(tm
     # suspended 4.5 GiB a rank, 45 % of the 10 GiB cache
     assert merged["max_requests"] == {"without": 180, "with": 180}
     assert abs(merged["freed_fraction_of_kv"] - 0.45) < 0.01
+
+
+def test_the_growth_off_pairs_split_each_iteration_into_its_three_parts(tmp_path):
+    """Growth changes only the generation; the log-prob step after it and the training
+    step are the same work on both sides. The merge says how long each part took (from
+    the records' own marks, the slower rank) and pools every measured iteration, so a
+    ratio moved by the loop's noise outside the generation shows as such. Re-read here
+    from session E's real GPU records, independently of the merge's code."""
+    import statistics
+    import tarfile
+
+    sys.path.insert(0, ROOT)
+    from experiments import rollout_gain
+
+    results = os.path.join(ROOT, "results", "one_h200", "rollout_gain_megatron_dp2_growth_off")
+    with tarfile.open(os.path.join(results, "runs.tgz")) as tar:
+        tar.extractall(tmp_path)
+    rollout_gain.main(["merge", str(tmp_path)])
+    gain = json.load(open(tmp_path / "rollout_gain.json"))
+    diffs = {}
+    for side in ("nogrow", "with"):
+        ranks = [json.load(open(tmp_path / f"pair0_{side}.rank{r}.json")) for r in (0, 1)]
+        after = [max(rank["rollouts"][k]["seconds"] - rank["generations"][k]["seconds"]
+                     for rank in ranks) for k in range(1, 4)]
+        times = [it["time"] for it in ranks[0]["iterations"]]
+        diffs[side] = [b - a for a, b in zip(times[1:], times[2:])]
+        phases = gain["iteration_phases"][side]
+        assert phases["after_rollout_s"] == pytest.approx(statistics.median(after))
+        assert phases["step_s"] == pytest.approx(statistics.median(diffs[side]))
+        assert set(phases) == {"generation_s", "after_rollout_s", "train_step_s", "step_s"}
+    pooled = statistics.mean(diffs["with"]) / statistics.mean(diffs["nogrow"])
+    assert gain["step_time_ratio_pooled"] == pytest.approx(pooled)
+    # what session E's pair showed: a faster generation with growth, the rest noisier
+    assert (gain["iteration_phases"]["with"]["generation_s"]
+            < gain["iteration_phases"]["nogrow"]["generation_s"])
