@@ -12,10 +12,26 @@ class OptionError(AmemError, ValueError):
 class NcclError(AmemError):
     """An NCCL call returned something other than ncclSuccess."""
 
+    #: ncclInvalidArgument, ncclInvalidUsage: NCCL refused the call in its own checks
+    USAGE_CODES = (4, 5)
+
     def __init__(self, call: str, code: int, text: str):
         super().__init__(f"{call} failed: {text} (ncclResult_t {code})")
         self.call = call
         self.code = code
+
+
+def suspend_left_comm_as_it_was(exc: BaseException) -> bool:
+    """Whether a failed suspend cannot have changed the communicator: the package's own
+    checks (raised before any NCCL call) and NCCL's usage errors, whose checks all run
+    before the members meet. Any other error (a host backup that could not be allocated,
+    a copy that failed) may come after they met, where NCCL has no rollback: the
+    communicator is then partly offloaded, its peers' mappings gone, its suspended flag
+    unset, and a resume refuses it (NCCL 2.30.7 src/mem_manager.cc, ncclCommMemSuspend
+    and ncclCommMemResume). torch's own suspend() gives no code: not known, so not as it was."""
+    if isinstance(exc, NcclError):
+        return exc.code in NcclError.USAGE_CODES
+    return isinstance(exc, AmemError)
 
 
 class BackendUnavailable(AmemError):

@@ -312,7 +312,8 @@ class OffloadPolicy:
         self._counters.add("begins")
         report = self._new_report(phase, Kind.BEGIN)
         report.hold_s = hold_s
-        plan = plan_begin(self._setup, self.options, phase, self._learned.reasons(phase))
+        plan = plan_begin(self._setup, self.options, phase,
+                          {**self._learned.reasons(phase), **self._transitions.broken()})
         before = self._transitions.held_ids()
         submitted = None
         try:

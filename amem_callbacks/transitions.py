@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 from . import guard
 from .decide import PROCESS_KEY, AgreedPlan, Setup
-from .errors import SuspendedGroupError, TransitionTimeout
+from .errors import SuspendedGroupError, TransitionTimeout, suspend_left_comm_as_it_was
 from .executor import SerialExecutor, Task
 from .groups import GroupInfo
 from .log import logger
@@ -373,13 +373,15 @@ class Transitions:
         except Exception as exc:
             rep.action, rep.error = Outcome.FAILED, str(exc)
             self.counters.add("failures")
-            logger.error("amem_callbacks: suspending group %r failed, it stays active: %s",
-                         state.info.name, exc)
-            memory = self._memory(state)
-            if memory is not None and memory.suspended:  # half-suspended: undo
-                self._resume_or_break(state, rep)
-            else:
+            if suspend_left_comm_as_it_was(exc):
+                logger.error("amem_callbacks: suspending group %r failed before it changed "
+                             "anything, it stays active: %s", state.info.name, exc)
                 self._mark_active(state)
+            else:
+                # Never undone here: a resume is collective (every member must call it) and
+                # NCCL refuses one on a partly suspended communicator. Its members decide
+                # together in _close_begin; until then no call may reach it.
+                self._mark_broken(state, rep, f"its suspend failed part-way: {exc}")
 
     def _resume(self, state: GroupState, rep: GroupReport) -> None:
         if state.status is Status.BROKEN:
@@ -414,10 +416,12 @@ class Transitions:
         self._mark_active(state)
 
     def _peer_outcomes(self, work, succeeded: Callable, what: str):
-        """Collective over each group's members: share whether this rank's
-        operation succeeded; yield ``(state, report, failed_ranks)`` per group."""
+        """Collective over each group's members: share whether this rank's operation
+        succeeded ("ok", else "failed", or "part-way" where it left the group broken);
+        yield ``(state, report, {failed rank: how})`` per group."""
         outcomes = self.agreement.exchange(
-            {i.state.info.key: (i.state.info.ranks, "ok" if succeeded(i.state) else "failed")
+            {i.state.info.key: (i.state.info.ranks, "ok" if succeeded(i.state) else
+                                "part-way" if i.state.status is Status.BROKEN else "failed")
              for i in work})
         for state, rep in ((i.state, i.report) for i in work):
             peers = outcomes.get(state.info.key, {})
@@ -428,18 +432,24 @@ class Transitions:
                 if what == "suspending":  # late is likely on a freshly started host
                     rep.reason += ". " + self.suspend_hint()
                 logger.warning("amem_callbacks: group %r: %s", state.info.name, rep.reason)
-            yield state, rep, [r for r, v in peers.items() if v == "failed"]
+            yield state, rep, {r: v for r, v in peers.items() if v not in ("ok", None)}, peers
 
     def _close_begin(self, report: TransitionReport, work) -> None:
-        for state, rep, failed in self._peer_outcomes(
+        """Every member learns how the others' suspends went and all take the same
+        state: suspended where all suspended, active where every failure left its
+        communicator as it was, else broken everywhere. Never a resume on some members
+        only: NCCL's resume waits for every member, and a member whose suspend failed
+        part-way cannot resume (mem_manager.cc), so the others would wait forever."""
+        for state, rep, failed, peers in self._peer_outcomes(
                 work, lambda s: s.status is Status.SUSPENDED, "suspending"):
-            if failed and state.status is Status.SUSPENDED:
-                # Ranks must agree on the state: undo ours so the group is active everywhere.
-                self._resume_or_break(state, rep)
-                if not self.backend.dry_run:
-                    self._freed(-(state.suspendable or 0))  # its memory is back in use
+            mixed = "ok" in peers.values() or "part-way" in failed.values()
+            if failed and mixed and state.status is not Status.BROKEN:
+                if state.status is not Status.SUSPENDED:  # active here: watched again
+                    self._watch_again(state)
                 rep.action = Outcome.FAILED
-                rep.reason = f"rank(s) {failed} failed to suspend it; resumed here too"
+                self._mark_broken(state, rep, f"rank(s) {sorted(failed)} failed to suspend it "
+                                  "part-way; NCCL cannot undo that, and a resume here would "
+                                  "wait for them forever")
             report.groups.append(rep)
 
     # --- end -------------------------------------------------------------
@@ -469,13 +479,13 @@ class Transitions:
         return Submitted(task, must_wait)
 
     def _close_end(self, report: TransitionReport, work) -> None:
-        for state, rep, failed in self._peer_outcomes(
+        for state, rep, failed, _peers in self._peer_outcomes(
                 work, lambda s: s.status is not Status.BROKEN, "resuming"):
             if failed and state.status is not Status.BROKEN:
                 # Unusable on a peer: a call here would wait for it forever, so raise instead.
                 self._watch_again(state)
                 rep.action = Outcome.FAILED
-                self._mark_broken(state, rep, f"rank(s) {failed} could not resume it")
+                self._mark_broken(state, rep, f"rank(s) {sorted(failed)} could not resume it")
             report.groups.append(rep)
 
     # --- state helpers ---------------------------------------------------
@@ -504,6 +514,15 @@ class Transitions:
         state.error = rep.error = why
         logger.error("amem_callbacks: group %r is in an unknown state (%s); calls on it will "
                      "raise. Restart the job.", state.info.name, why)
+
+    def broken(self) -> dict:
+        """group key -> why, for the groups broken here: never planned again (a suspend
+        of a partly suspended communicator waits in NCCL for members that do not come).
+        Every member holds the same set: _close_begin and _close_end break a group on
+        all of its members at once."""
+        return {key: f"broken since a failed transition ({s.error}); restart the job to use "
+                     "it again" for key, s in sorted(list(self.states.items()))
+                if s.status is Status.BROKEN}
 
     def unresumed(self) -> list:
         """Names of the groups held suspended with no resume queued (a phase whose

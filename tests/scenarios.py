@@ -337,37 +337,51 @@ def late_rank(args):
             "exact": all(allreduce_ok(g) for g in groups.values())}
 
 
+def _collectives(groups: dict) -> dict:
+    """Each group's allreduce: exact (True/False), or the guard's error."""
+    out = {}
+    for name, g in groups.items():
+        try:
+            out[name] = allreduce_ok(g)
+        except SuspendedGroupError as exc:
+            out[name] = str(exc)
+    return out
+
+
 @scenario
 def inject(args):
-    """An NCCL error on one group of one rank: that group active on every rank,
-    the others proceed, ranks stay in step."""
+    """An NCCL error on one group of some ranks (``on_ranks``, default rank 0), where
+    NCCL's own come (fake_nccl.c); ``peers``: its suspends and resumes wait for every
+    member, as NCCL's do. Then every group's collective, and one more cycle."""
     init()
     groups = make_groups(dist.get_world_size())
     for g in groups.values():
         allreduce_ok(g)
-    fake = FakeNccl()
+    fake = FakeNccl(peers=args.get("peers", False))
     policy = OffloadPolicy(backend=fake.backend(), agree_timeout_s=20, timeout_s=30)
     for g in groups.values():  # create the fake comms before injecting
         fake.handle_of(g)
     op = SUSPEND_OP if args["op"] == "suspend" else RESUME_OP
-    if rank() == args.get("on_rank", 0):
-        fake.controls.inject(fake.comms[args.get("group", "dp")], op, args.get("code", 1),
-                             times=args.get("times", 1), half=args.get("half", False))
+    comm = fake.comms[args.get("group", "dp")]
+    if rank() in args.get("on_ranks", [0]):
+        fake.controls.inject(comm, op, args.get("code", 1), times=args.get("times", 1))
+    started = time.monotonic()
     begin = policy.begin("rollout")
     during = fake.suspended()
     end = policy.end("rollout")
     out = {"begin": summarize(begin), "during": during, "end": summarize(end),
-           "after": fake.suspended(), "failures": total(policy, "failures")}
-    try:
-        out["exact_after"] = all(allreduce_ok(g) for g in groups.values())
-    except SuspendedGroupError as exc:
-        out["guard_error"] = str(exc)
-    # one more clean cycle: ranks are still in step
-    if "guard_error" not in out:
-        second = policy.begin("rollout")
-        out["second"] = summarize(second)
-        policy.end("rollout")
-        out["exact_second"] = all(allreduce_ok(g) for g in groups.values())
+           "after": fake.suspended(), "partial": fake.controls.partial(comm),
+           "resumes": fake.controls.count(comm, RESUME_OP),
+           "peer_timed_out": fake.controls.peer_timed_out(comm),
+           "failures": total(policy, "failures"), "took": time.monotonic() - started}
+    out["collectives"] = _collectives(groups)
+    out["exact_after"] = all(v is True for v in out["collectives"].values())
+    # one more cycle: ranks are still in step; a broken group is not planned again
+    second = policy.begin("rollout")
+    out["second"] = summarize(second)
+    policy.end("rollout")
+    out["collectives_second"] = _collectives(groups)
+    out["exact_second"] = all(v is True for v in out["collectives_second"].values())
     return out
 
 

@@ -91,12 +91,37 @@ def test_a_late_rank_gets_the_same_keep_decision_and_the_next_cycle_works():
     assert r0["took"] < 2 * 2 + 2
 
 
-@pytest.mark.parametrize("half", [False, True])
-def test_suspend_error_on_one_rank_leaves_that_group_active_everywhere(half):
-    r0, r1 = results("inject", op="suspend", group="dp", half=half)
+def test_a_suspend_that_fails_part_way_on_one_rank_breaks_the_group_everywhere_without_a_wait():
+    """NCCL has no rollback: past its members' barrier, a failed suspend leaves the
+    communicator partly offloaded and a resume refuses it (mem_manager.cc). The rank
+    that suspended must not resume alone (NCCL would wait for the failed one forever):
+    the group is broken on both ranks, calls on it raise, the other groups carry on,
+    and it is never planned again. With the fake's members waiting for each other."""
+    r0, r1 = results("inject", op="suspend", group="dp", peers=True)
     assert "ncclCommSuspend failed" in r0["begin"]["groups"]["dp"][2]
-    assert "rank(s) [0] failed to suspend it" in r1["begin"]["groups"]["dp"][1]
+    assert "rank(s) [0] failed to suspend it part-way" in r1["begin"]["groups"]["dp"][2]
+    assert r0["partial"] and not r1["partial"]
+    assert r0["during"]["dp"] is False and r1["during"]["dp"] is True  # kept suspended there
     for res in (r0, r1):
+        assert res["begin"]["groups"]["dp"][0] == "failed"
+        assert res["resumes"] == 0 and not res["peer_timed_out"] and res["took"] < 15
+        assert {k: v for k, v in res["during"].items() if k != "dp"} == {
+            "ep": True, "tp": True, "world": True}
+        for collectives in (res["collectives"], res["collectives_second"]):
+            assert "Restart the job" in collectives["dp"]
+            assert all(collectives[g] is True for g in ("ep", "tp", "world"))
+        assert res["second"]["groups"]["dp"][0] == "kept"
+        assert "broken since" in res["second"]["groups"]["dp"][1]
+        assert res["second"]["groups"]["tp"][0] == "suspended"
+
+
+def test_a_usage_error_on_every_rank_leaves_the_group_active_everywhere():
+    """NCCL's usage errors come from its checks, before the members meet: nothing
+    changed, so the group stays active on every rank and the next cycle suspends it."""
+    r0, r1 = results("inject", op="suspend", group="dp", peers=True, code=5, on_ranks=[0, 1])
+    for res in (r0, r1):
+        assert "ncclCommSuspend failed" in res["begin"]["groups"]["dp"][2]
+        assert not res["partial"] and not res["peer_timed_out"]
         assert res["during"] == {"dp": False, "ep": True, "tp": True, "world": True}
         assert not any(res["after"].values())
         assert res["exact_after"] and res["exact_second"]
@@ -104,14 +129,22 @@ def test_suspend_error_on_one_rank_leaves_that_group_active_everywhere(half):
 
 
 def test_one_resume_error_is_retried():
-    for res in results("inject", op="resume", group="dp"):
+    """NCCL's resume fails before its members meet: the retry on the failing rank is
+    the call the waiting member needs (the fake's members wait for each other here)."""
+    for res in results("inject", op="resume", group="dp", peers=True):
         assert not any(res["after"].values()) and res["exact_after"]
+        assert not res["peer_timed_out"]
 
 
 def test_a_group_that_cannot_be_resumed_raises_on_every_rank_instead_of_hanging():
+    """Without the fake's member wait: on real NCCL the rank that resumed would wait in
+    its resume for the one that failed twice (NCCL's barrier has no timeout)."""
     r0, r1 = results("inject", op="resume", group="dp", times=2)
-    assert "resume failed twice" in r0["guard_error"]
-    assert "rank(s) [0] could not resume it" in r1["guard_error"]
+    assert "resume failed twice" in r0["collectives"]["dp"]
+    assert "rank(s) [0] could not resume it" in r1["collectives"]["dp"]
+    for res in (r0, r1):
+        assert "broken since" in res["second"]["groups"]["dp"][1]
+        assert "failed" in res["collectives_second"]["dp"]  # raises again, never hangs
 
 
 def test_ranks_with_different_backends_all_run_unchanged():

@@ -43,8 +43,8 @@ class FakeControls:
         self.lib.fakeCommCreate.restype = ctypes.c_void_p
         self.lib.fakeCommCreate.argtypes = (ctypes.c_uint64, ctypes.c_uint64)
         argtypes = {
-            "fakeCommInject": (ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                               ctypes.c_int),
+            "fakeCommInject": (ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int),
+            "fakeCommPartial": (ctypes.c_void_p,),
             "fakeCommSetDelayUs": (ctypes.c_void_p, ctypes.c_int),
             "fakeCommSuspended": (ctypes.c_void_p,),
             "fakeCommCount": (ctypes.c_void_p, ctypes.c_int),
@@ -62,8 +62,14 @@ class FakeControls:
     def create(self, suspendable: int, persist: int = 4 << 20) -> int:
         return self.lib.fakeCommCreate(suspendable, persist)
 
-    def inject(self, comm: int, op: int, code: int, times: int = 1, half: bool = False) -> None:
-        self.lib.fakeCommInject(comm, op, code, times, int(half))
+    def inject(self, comm: int, op: int, code: int, times: int = 1) -> None:
+        """The next ``times`` calls of ``op`` on ``comm`` return ``code``, where NCCL's
+        own errors of that kind come (fake_nccl.c's header)."""
+        self.lib.fakeCommInject(comm, op, code, times)
+
+    def partial(self, comm: int) -> bool:
+        """A suspend of ``comm`` failed after its members met: partly offloaded."""
+        return bool(self.lib.fakeCommPartial(comm))
 
     def delay(self, comm: int, microseconds: int) -> None:
         self.lib.fakeCommSetDelayUs(comm, microseconds)

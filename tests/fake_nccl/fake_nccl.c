@@ -13,6 +13,13 @@
  * (fakeCommSetPeers) waits too, through files in a folder its group's ranks share; a
  * peer that never comes ends the wait after FAKE_NCCL_PEER_WAIT_S seconds (60) with
  * ncclSystemError and peer_timed_out set, where NCCL would wait forever.
+ *
+ * Injected errors land where NCCL 2.30.7's own do (src/mem_manager.cc): a usage error
+ * (ncclInvalidArgument, ncclInvalidUsage) before the members meet, as NCCL's checks do,
+ * so the peers wait; any other error of a suspend after they met (the host backup or
+ * its copy failed), leaving the communicator partly offloaded with no rollback: its
+ * suspended flag stays 0, `partial` says so, and a resume refuses it; any error of a
+ * resume before they meet (re-creating, mapping and copying back come first).
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -36,7 +43,8 @@ const char fake_nccl_banner[] = "NCCL version " FAKE_VERSION_STR "+fake";
 typedef struct fakeComm {
   uint64_t suspendable, persist;
   int suspended;
-  int fail_op, fail_code, fail_times, fail_half; /* inject: op 0 suspend, 1 resume */
+  int fail_op, fail_code, fail_times; /* inject: op 0 suspend, 1 resume */
+  int partial; /* a suspend failed after the members met: partly offloaded, no rollback */
   int delay_us;
   int suspends, resumes;
   /* GIL probe: with gate set, a suspend waits (up to 20 s) for fakeCommOpenGate,
@@ -74,6 +82,8 @@ static int injected(fakeComm* c, int op) {
   return ncclSuccess;
 }
 
+static int usage_error(int code) { return code == ncclInvalidArgument || code == ncclInvalidUsage; }
+
 static int peers_arrived(fakeComm* c, int round) {
   char path[600];
   for (int r = 0; r < c->peer_count; r++) {
@@ -101,14 +111,13 @@ static ncclResult_t peer_barrier(fakeComm* c) {
   return ncclSuccess;
 }
 
-/* An injected error comes after the peer wait, as NCCL's own do once its members met
- * (a host backup that cannot be allocated, a copy that fails): the peers go on. */
 ncclResult_t ncclCommSuspend(fakeComm* c, int flags) {
   if (!c || flags != 1) return ncclInvalidArgument;
   if (c->suspended && !(c->fail_times > 0 && c->fail_op == 0)) return ncclInvalidUsage;
+  if (c->fail_times > 0 && c->fail_op == 0 && usage_error(c->fail_code)) return injected(c, 0);
   if (peer_barrier(c) != ncclSuccess) return ncclSystemError;
   ncclResult_t r = injected(c, 0);
-  if (r != ncclSuccess) { if (c->fail_half) c->suspended = 1; return r; }
+  if (r != ncclSuccess) { c->partial = 1; return r; }
   if (c->suspended) return ncclInvalidUsage;
   c->in_suspend = 1;
   if (c->delay_us) usleep(c->delay_us);
@@ -125,10 +134,10 @@ ncclResult_t ncclCommSuspend(fakeComm* c, int flags) {
 ncclResult_t ncclCommResume(fakeComm* c) {
   if (!c) return ncclInvalidArgument;
   if (!c->suspended && !(c->fail_times > 0 && c->fail_op == 1)) return ncclInvalidUsage;
-  if (peer_barrier(c) != ncclSuccess) return ncclSystemError;
   ncclResult_t r = injected(c, 1);
   if (r != ncclSuccess) return r;
   if (!c->suspended) return ncclInvalidUsage;
+  if (peer_barrier(c) != ncclSuccess) return ncclSystemError;
   if (c->delay_us) usleep(c->delay_us);
   c->suspended = 0; c->resumes++;
   return ncclSuccess;
@@ -164,9 +173,10 @@ fakeComm* fakeCommCreate(uint64_t suspendable, uint64_t persist) {
   c->suspendable = suspendable; c->persist = persist;
   return c;
 }
-void fakeCommInject(fakeComm* c, int op, int code, int times, int half) {
-  c->fail_op = op; c->fail_code = code; c->fail_times = times; c->fail_half = half;
+void fakeCommInject(fakeComm* c, int op, int code, int times) {
+  c->fail_op = op; c->fail_code = code; c->fail_times = times;
 }
+int fakeCommPartial(fakeComm* c) { return c->partial; }
 void fakeCommSetDelayUs(fakeComm* c, int us) { c->delay_us = us; }
 void fakeCommSetGate(fakeComm* c) { c->gate = 1; c->gate_open = 0; c->gate_timed_out = 0; }
 void fakeCommOpenGate(fakeComm* c) { c->gate_open = 1; }

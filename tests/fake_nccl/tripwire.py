@@ -99,6 +99,8 @@ def suspended_comm(group):
     for controls, comm, name, amem in list(entries):
         if controls.suspended(comm):
             return name, f"communicator {comm:#x} suspended"
+        if controls.partial(comm):  # its peers' mappings are gone: NCCL faults there too
+            return name, f"communicator {comm:#x} partly suspended (a suspend failed part-way)"
         if amem and controls.amem_paused():
             return name, f"communicator {comm:#x} paused process-wide (AMem)"
     return None
