@@ -418,7 +418,8 @@ class Transitions:
     def _peer_outcomes(self, work, succeeded: Callable, what: str):
         """Collective over each group's members: share whether this rank's operation
         succeeded ("ok", else "failed", or "part-way" where it left the group broken);
-        yield ``(state, report, {failed rank: how})`` per group."""
+        yield ``(state, report, {failed rank: how}, {member: outcome})`` per group
+        (a member that did not report in time has None)."""
         outcomes = self.agreement.exchange(
             {i.state.info.key: (i.state.info.ranks, "ok" if succeeded(i.state) else
                                 "part-way" if i.state.status is Status.BROKEN else "failed")
@@ -447,8 +448,10 @@ class Transitions:
                 if state.status is not Status.SUSPENDED:  # active here: watched again
                     self._watch_again(state)
                 rep.action = Outcome.FAILED
+                how = ("part-way" if "part-way" in failed.values()
+                       else "while other members suspended it")
                 self._mark_broken(state, rep, f"rank(s) {sorted(failed)} failed to suspend it "
-                                  "part-way; NCCL cannot undo that, and a resume here would "
+                                  f"{how}; NCCL cannot undo that, and a resume here would "
                                   "wait for them forever")
             report.groups.append(rep)
 
