@@ -734,11 +734,9 @@ def gain_summary(result: Interleaved, control, commands: list) -> dict:
         "train_step_time_ratio": result.ratio("train_step_s"),
         # the iteration's three parts, per side (medians of the pairs): growth changes the
         # generation only; the other two are the same work on both sides
-        "iteration_phases": {side: {key: _median([p.results[side].get(key)
-                                                  for p in result.pairs])
-                                    for key in ("generation_s", "after_rollout_s",
-                                                "train_step_s", "step_s")}
-                             for side in result.sides},
+        "iteration_phases": {side: {key: per_side(key)[side] for key in (
+            "generation_s", "after_rollout_s", "train_step_s", "step_s")}
+            for side in result.sides},
         # every measured iteration of every pair, pooled: compared mean / baseline mean
         "step_time_ratio_pooled": _ratio(
             _mean([t for p in result.pairs for t in p.results[other].get("step_s_each") or []]),
