@@ -161,7 +161,7 @@ RELIABILITY = {
     "reliability": ["interleavings", "disagreement", "host_cap", "ddp_identical", "cycles",
                     "cumem_off"],
     "reliability_faults_a": ["kill_in_suspend", "stop_in_begin"],
-    "reliability_faults_b": ["kill_in_resume", "rank_dies"],
+    "reliability_faults_b": ["kill_in_resume", "rank_dies", "refused_on_one_rank"],
 }
 RELIABILITY_GPU_ONLY = {"old_nccl": "needs torch's own older NCCL loaded (no preload)",
                         "amem_unusable": "needs the real NCCL of a CUDA torch to tell AMem's "

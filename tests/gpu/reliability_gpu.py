@@ -252,6 +252,60 @@ def disagreement(r: Rank) -> dict:
             "exact_after": after, "agree_s": begin.agree_seconds}
 
 
+@case("NCCL refuses, on one rank alone, a suspend of a suspended communicator and a resume of "
+      "an active one: at once (usage error), without waiting for the other ranks; the package "
+      "reads both as leaving the communicator as it was, and it works after", 90)
+def refused_on_one_rank(r: Rank) -> dict:
+    """What transitions' failure handling rests on (errors.suspend_left_comm_as_it_was):
+    NCCL's usage checks come before its members meet (src/mem_manager.cc), so a refusal
+    on one rank neither waits for the others nor changes the communicator. Were it to
+    wait, rank 0 would hang here while rank 1 sits in a gloo barrier: the case's limit
+    fails it."""
+    from amem_callbacks.backends.nccl import NcclBackend
+    from amem_callbacks.errors import NcclError, suspend_left_comm_as_it_was
+
+    group = r.groups("dp")["dp"]
+    fake = r.fake() if CPU else None
+    # ctypes: NCCL's own result codes (torch's suspend() gives none)
+    backend = (NcclBackend(library=fake.library, handle_of=fake.handle_of) if fake
+               else NcclBackend(path="ctypes"))
+    backend.check()
+    if not CPU:
+        backend.device = r.torch.cuda.current_device()
+    handle, why = backend.communicator(group)
+    if handle is None:
+        return {"ok": False, "why": f"no communicator handle: {why}"}
+
+    def refused_alone(call) -> dict:
+        out = {}
+        if r.rank == 0:
+            start = time.monotonic()
+            try:
+                call(handle)
+                out["error"] = None
+            except NcclError as exc:
+                out.update(error=str(exc), code=exc.code, as_it_was=suspend_left_comm_as_it_was(exc))
+            out["seconds"] = round(time.monotonic() - start, 4)
+        r.barrier()  # the other ranks are in no NCCL call meanwhile
+        return out
+
+    backend.suspend(handle)  # every rank: the communicator is suspended
+    r.barrier()
+    second_suspend = refused_alone(backend.suspend)
+    backend.resume(handle)  # every rank: active again
+    after_suspend_refused = r.exact(group, 2.0)
+    r.barrier()
+    resume_while_active = refused_alone(backend.resume)
+    after_resume_refused = r.exact(group, 3.0)
+    refusals = (second_suspend, resume_while_active)
+    ok = after_suspend_refused and after_resume_refused and (r.rank != 0 or all(
+        o.get("code") in NcclError.USAGE_CODES and o["as_it_was"] and o["seconds"] < 5.0
+        for o in refusals))
+    return {"ok": ok, "second_suspend_on_rank_0": second_suspend,
+            "resume_while_active_on_rank_0": resume_while_active,
+            "exact_after": [after_suspend_refused, after_resume_refused]}
+
+
 @case("host memory: NCCL's pinned host copy reported per group; a cap leaves the groups "
       "past it active", 120)
 def host_cap(r: Rank) -> dict:
