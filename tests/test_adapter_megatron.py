@@ -342,9 +342,12 @@ def test_one_replica_grows_at_the_same_step_by_its_smallest_freed_bytes(margin_g
     assert probe[0]["reports"][1]["when"] == probe[1]["reports"][1]["when"]  # the same step
     for res in both:
         grown_size = [blocks, (blocks - 1) // 4 * 4]
-        # every rollout's resume allocates the launch size at once; the regrow follows
-        assert res["allocations"] == [[100, 96], [100, 96], grown_size, [100, 96], grown_size]
+        # every rollout's resume allocates the launch size at once; the probe's regrow
+        # follows; rollout 2 measures the launch size again (its only figure was the
+        # launch's rollout, a process's warm-up) and does not grow
+        assert res["allocations"] == [[100, 96], [100, 96], grown_size, [100, 96]]
         assert res["sized_for"][0] == grown_size[1]
+        assert "measure the launch size again" in res["rollouts"][2]["decision"]
     assert [r["decision"] for r in both[0]["rollouts"]] == \
         [r["decision"] for r in both[1]["rollouts"]]
 

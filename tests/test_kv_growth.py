@@ -104,6 +104,37 @@ def test_growth_that_does_not_pay_costs_at_most_rare_probes():
     assert arms[-10:] == ["skip"] * 10
 
 
+@pytest.mark.parametrize("steady,kept", [(115.0, "skip"), (95.0, "grow")])
+def test_growth_that_beat_only_the_warm_up_rollout_is_checked_against_the_launch_size_again(
+        steady, kept):
+    """The first rollout carries the process's warm-up (slow here: 60 tokens/s); growth
+    (110) beats it, so the launch size is measured again at once, in its steady state, and
+    the better of the two is kept for its hold."""
+    decider = GrowthDecider()
+    decider.record(figures(60.0))
+    arms = []
+    for _ in range(4):
+        decision = decider.choose()
+        arms.append("grow" if decision.grow else "skip")
+        decider.record(figures(110.0 if decision.grow else steady, grown=decision.grow))
+        if len(arms) == 1:
+            assert decision.probe and decider.left == 0
+        if len(arms) == 2:
+            assert decision.probe and "first rollout's" in decision.why
+    assert arms == ["grow", "skip", kept, kept] and decider.winner == kept, arms
+
+
+def test_a_launch_size_measured_after_the_first_rollout_is_not_measured_again_at_once():
+    decider = GrowthDecider()
+    decider.record(figures(100.0, bound=False))  # the first: nothing to grow for yet
+    assert not decider.choose().grow
+    decider.record(figures(100.0))
+    assert decider.choose().probe
+    decider.record(figures(130.0, grown=True))
+    decision = decider.choose()
+    assert decision.grow and not decision.probe and decider.left == 2
+
+
 def test_noise_around_the_threshold_does_not_flip_every_rollout():
     decider = GrowthDecider()
     decider.record(figures(100.0))
@@ -592,6 +623,10 @@ def test_growth_that_pays_is_kept_and_grows_at_the_resume_when_memory_is_free(gr
     growth, engine, session, clock = grow
     run_rollout(growth, engine, session, clock, resume=False)
     run_rollout(growth, engine, session, clock, done_at=5)  # the probe
+    # the launch size's only figure was the launch's rollout: measured again once
+    report = run_rollout(growth, engine, session, clock, done_at=None)
+    assert not report.grown and growth.decisions[-1].probe
+    assert "measure the launch size again" in growth.decisions[-1].why
     report = run_rollout(growth, engine, session, clock, done_at=None)
     decision = growth.decisions[-1]
     assert decision.grow and not decision.probe and "x1." in decision.why

@@ -7,7 +7,9 @@ A rollout either grows (the freed memory joins the cache once the suspends are o
 or runs at the launch size, which costs what a run without growth costs. The two are
 compared on the rollout's generation rate; the better one is kept and the other one is
 measured again only after ``hold`` rollouts, a hold that doubles each time the same one
-wins again, so the choice settles and cannot flip every rollout.
+wins again, so the choice settles and cannot flip every rollout. Where the launch size's
+only figure is the first rollout the decider saw (a process's first carries its warm-up),
+growth that beats it is checked against the launch size once more right after the probe.
 """
 
 from __future__ import annotations
@@ -115,22 +117,30 @@ class GrowthDecider:
         self.left = 0  # rollouts of the winner before the other is measured again
         self.latest: Optional[RolloutFigures] = None
         self._probing: Optional[str] = None  # the arm the last choice measured again
+        #: the launch size's figure is the first rollout recorded, which in a new process
+        #: carries its warm-up: measured on one H200 (tiny_kv, results/one_h200/
+        #: rollout_gain_megatron_dp2_growth_off) 511-1140 tokens/s against 1074-1276 for
+        #: the launch-size rollouts after it; growth looked x1.05-1.68 against the first
+        #: and was x0.96-1.05 against those
+        self.base_is_first = False
 
     def record(self, figures: RolloutFigures) -> None:
         """The previous rollout's figures (the same on every rank of the replica)."""
+        first = self.latest is None
         self.latest = figures
         arm = GROW if figures.grown else SKIP
         if figures.grown:
             self.grown = figures
         else:
-            self.base = figures
+            self.base, self.base_is_first = figures, first
         probed, self._probing = self._probing, None
         if self.base is None or self.grown is None:
             return
         better = self._better()
         if self.winner is None:
             self.winner, self.hold = better, self.first_hold
-            self.left = self.hold
+            # growth beat a warm-up figure: the launch size is measured again at once
+            self.left = 0 if better == GROW and self.base_is_first else self.hold
         elif probed is not None and probed == arm:
             # the other arm was measured again: confirmed winners hold longer
             if better == self.winner:
@@ -183,8 +193,10 @@ class GrowthDecider:
         if self.left <= 0:
             other = SKIP if self.winner == GROW else GROW
             self._probing = other
-            return Decision(other == GROW, f"measure again after {self.hold} rollouts: {figures}",
-                            probe=True)
+            why = ("measure the launch size again: its only figure is the first rollout's, "
+                   "which carries the process's warm-up" if other == SKIP and self.base_is_first
+                   else f"measure again after {self.hold} rollouts")
+            return Decision(other == GROW, f"{why}: {figures}", probe=True)
         kept = "grow" if self.winner == GROW else "keep the launch size"
         return Decision(self.winner == GROW, f"{kept}: {figures}, next check in {self.left} "
                                              "rollout(s)")
