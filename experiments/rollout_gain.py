@@ -224,6 +224,8 @@ def figures(prefix: str) -> dict:
     kv = [a for a in _allocations(first)[1:len(first["generations"])] if a]
     if kv:
         out["kv_bytes"] = _median([a[-1]["kv_bytes"] for a in kv])
+        # the largest cache any rollout reached (the decider may run some at the launch size)
+        out["kv_bytes_max"] = max(a[-1]["kv_bytes"] for a in kv)
         out["kv_blocks"] = _median([a[-1]["blocks"] for a in kv])
         out["kv_token_capacity"] = _median([_capacity(a[-1]) for a in kv])
         out["max_requests"] = _median([a[-1]["max_requests"] for a in kv])
@@ -422,7 +424,7 @@ def run(args) -> int:
         port += 4 * len(wave)
         index += len(wave)
     if args.control:
-        grown = [figures(p[:-len(".outcome.json")]).get("kv_bytes")
+        grown = [figures(p[:-len(".outcome.json")]).get("kv_bytes_max")
                  for p in glob.glob(os.path.join(args.out, "pair*_with.outcome.json"))]
         grown = [g for g in grown if g]
         buffer_gb = (max(grown) / GiB) if grown else args.buffer_gb + args.control_extra_gb

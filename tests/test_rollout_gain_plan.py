@@ -686,17 +686,18 @@ def curve_runs() -> list:
 
 
 def pair_runs() -> list:
-    """Three interleaved pairs, three rollouts each; in pairs 0 and 2 the suspends
+    """Three interleaved pairs, four rollouts each; in pairs 0 and 2 the suspends
     outlast the resume (they are held until the first tokens, the cache grows between
     steps), in pair 1 the loop's set-up outlasts them: the first begin at the loop's
     seam holds them too (nothing measured there yet), the next, known to fit before
-    the resume, does not (it grows at the resume)."""
+    the resume, does not (it grows at the resume). Rollout 2 runs at the launch size:
+    the decider measures it again (its only figure was the launch's rollout)."""
     out = []
     for index in range(3):
         order = ("without", "with") if index % 2 == 0 else ("with", "without")
         timing = {"setup_s": 0.3} if index == 1 else {"delay_ms": SUSPEND_DELAY_MS}
         out += [dict(timing, name=f"pair{index}_{side}", side=side, blocks=LAUNCH_BLOCKS,
-                     rollouts=3) for side in order]
+                     rollouts=4) for side in order]
     return out
 
 
@@ -732,13 +733,15 @@ def test_the_records_have_every_part_the_merge_reads(records):
     record = load(os.path.join(records["pairs"], "pair0_with"))
     assert not record["errors"], record["errors"]
     assert record["engine_step_fields"] == list(megatron_rl_gpu.STEP_FIELDS)
-    assert len(record["generations"]) == 3 and len(record["iterations"]) == 3
-    assert [e for e, _ in record["events"]].count("rollouts_asked") == 3
+    assert len(record["generations"]) == 4 and len(record["iterations"]) == 4
+    assert [e for e, _ in record["events"]].count("rollouts_asked") == 4
     assert record["memory_trace"] and all(len(s) == 2 for s in record["memory_trace"])
     amem = record["amem"]
     assert amem["installed"] and amem["kv_growth"]["decisions"]
-    assert [d["amem/kv_cache/decision"] for d in amem["kv_growth"]["decisions"]][:2] == [0, 1]
-    assert "probe" in amem["kv_growth"]["decisions"][1]["why"]
+    decisions = amem["kv_growth"]["decisions"]
+    assert [d["amem/kv_cache/decision"] for d in decisions] == [0, 1, 0, 1]
+    assert "probe" in decisions[1]["why"]
+    assert "measure the launch size again" in decisions[2]["why"]
     measured = amem["kv_growth"]["measured"]
     assert measured[1]["amem/kv_cache/measured/grown"] == 1
     assert "amem_freed_bytes" in record["kv_cache_allocations"][1]
@@ -812,10 +815,12 @@ def test_the_pairs_merge_into_the_new_designs_figures(records):
     assert gain["rollout_tokens_per_s_ratio"] > 1.1 and gain["step_tokens_per_s_ratio"] > 1.1
     assert gain["generated_tokens_per_request"] == {"without": TOKENS, "with": TOKENS}
     pairs = {p["index"]: p["results"] for p in gain["pairs"]}
-    assert pairs[0]["without"]["kv_allocations_per_rollout"] == [1, 1]
-    assert pairs[0]["with"]["kv_allocations_per_rollout"][0] == 2  # launch size, then grown
-    # held, then known to fit before the resume: not held, grown at the resume
-    assert pairs[1]["with"]["kv_allocations_per_rollout"] == [2, 1]
+    assert pairs[0]["without"]["kv_allocations_per_rollout"] == [1, 1, 1]
+    # launch size, then grown; the launch size measured again; grown again
+    assert pairs[0]["with"]["kv_allocations_per_rollout"][:2] == [2, 1]
+    # held, grown mid-rollout; the launch size measured again; then, known to fit before
+    # the resume: not held, grown at the resume
+    assert pairs[1]["with"]["kv_allocations_per_rollout"] == [2, 1, 1]
     assert all(after > 0 for after in pairs[0]["with"]["grown_after_s"])
     assert pairs[0]["with"]["decisions"][1][0] == 1
     assert [p["order"] for p in gain["pairs"]] == [["without", "with"], ["with", "without"],
@@ -950,7 +955,7 @@ def test_the_memory_plot_of_a_pair_or_a_note_without_matplotlib(records, tmp_pat
     assert "matplotlib is not installed" in note["note"]
     assert set(note["series"]) == {"without", "with"}
     with_side = note["series"]["with"]
-    assert len(with_side["rollouts"]) == 3 and len(with_side["kv_allocations"]) >= 4
+    assert len(with_side["rollouts"]) == 4 and len(with_side["kv_allocations"]) >= 5
     assert max(with_side["used_gib"]) > min(with_side["used_gib"])
     monkeypatch.setattr("builtins.__import__", real_import)
     if importlib.util.find_spec("matplotlib") is None:  # the GPU machine's image has it
