@@ -5,7 +5,7 @@ loop, KV-bound, with and without the package, in interleaved pairs.
     python3 experiments/rollout_gain.py calibrate OUT [--preset P]   # the memory a run needs
     python3 experiments/rollout_gain.py curve OUT [--preset P] [--points 14.67 10.5:88]
     python3 experiments/rollout_gain.py run OUT --pairs 3 [--first 0] [--control] [--preset P]
-        [--sides without,with | nogrow,with] [--only SIDE] [--gpus N]
+        [--sides without,with | nogrow,with | nogrow,twin] [--only SIDE] [--gpus N]
     python3 experiments/rollout_gain.py merge OUT  # rollout_gain, critical_path, curve .json
     python3 experiments/rollout_gain.py plot OUT [--pair 0]   # memory over time of one pair
 
@@ -28,6 +28,9 @@ Sides (``--sides``, the baseline first):
   what the begin freed, between two engine steps, once the suspends are over.
 - nogrow: the launcher without ``--rl-amem-grow-kv-cache`` (``--sides nogrow,with``
   asks what the default growth costs where it cannot pay).
+- twin: nogrow again, under its own name (``--sides nogrow,twin``): two runs of one
+  configuration, so their ratios are what the loop differs by from run to run, the floor
+  under which a pair cannot tell one side from the other.
 - control (``--control``): without the package, at the buffer the package
   reached: it must run out of memory or fail to launch.
 
@@ -83,7 +86,8 @@ GiB = presets.GiB
 CUDA_CONTEXT = presets.CUDA_CONTEXT
 GROW = ["--rl-amem-grow-kv-cache"]
 #: side -> (through the package's launcher, with --rl-amem-grow-kv-cache)
-SIDES = {"without": (False, False), "with": (True, True), "nogrow": (True, False)}
+SIDES = {"without": (False, False), "with": (True, True), "nogrow": (True, False),
+         "twin": (True, False)}
 #: done-when of the issue's realistic experiment (a with/without folder)
 WAIT_GOAL_S, PAIRS_GOAL = 0.1, 3
 #: the old experiment with the default growth against growth off (a nogrow/with folder)
@@ -671,7 +675,7 @@ def merge(args) -> int:
     gain = gain_summary(result, control, commands)
     with open(os.path.join(out, "rollout_gain.json"), "w") as f:
         json.dump(gain, f, indent=1, default=str)
-    withs = [p.results["with"] for p in pairs if p.results["with"].get("critical_path_s")]
+    withs = [p.results[sides[1]] for p in pairs if p.results[sides[1]].get("critical_path_s")]
     critical = {"loop": "Megatron-LM train_rl.py, megatron-core 0.19.2, DP 2 on one H200; each "
                         "rollout starts at once on the launch-size KV cache, which grows between "
                         "two engine steps once the suspends are over, where growing pays",
@@ -701,7 +705,9 @@ def merge(args) -> int:
 
 
 def _sides_in(out: str) -> tuple:
-    """(baseline, compared) of this folder's pairs: nogrow/with where the runs say so."""
+    """(baseline, compared) of this folder's pairs, as its runs' names say."""
+    if glob.glob(os.path.join(out, "pair*_twin.outcome.json")):
+        return ("nogrow", "twin")
     if glob.glob(os.path.join(out, "pair*_nogrow.outcome.json")):
         return ("nogrow", "with")
     return ("without", "with")
@@ -796,6 +802,11 @@ def gain_summary(result: Interleaved, control, commands: list) -> dict:
                 {base: gain["rollout_s"][base]}, 30),
             "freed_nccl_15_to_50_percent_of_kv": None if gain["freed_fraction_of_kv"] is None
             else 0.15 <= gain["freed_fraction_of_kv"] <= 0.5}
+    elif other == "twin":
+        # no goal: both sides are one configuration; what they differ by is the loop's
+        # own run-to-run swing, the floor for the other folders' ratios
+        goals = {}
+        gain["same_configuration"] = True
     else:
         goals[f"iteration_time_at_most_{GROWTH_COST_GOAL}_of_growth_off"] = \
             None if step is None else step <= GROWTH_COST_GOAL
@@ -917,9 +928,10 @@ def main(argv=None) -> int:
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--first", type=int, default=0, help="index of the first pair")
     parser.add_argument("--control", action="store_true", help="run the control after the pairs")
-    parser.add_argument("--sides", default="without,with", choices=("without,with", "nogrow,with"),
+    parser.add_argument("--sides", default="without,with",
+                        choices=("without,with", "nogrow,with", "nogrow,twin"),
                         help="the baseline, then the compared side")
-    parser.add_argument("--only", choices=("without", "with", "nogrow"), default=None,
+    parser.add_argument("--only", choices=tuple(SIDES), default=None,
                         help="run one side of each pair: the other side already ran (its machine "
                              "went back mid-pair); merge the two folders' files into one")
     parser.add_argument("--gpus", type=int, default=1,

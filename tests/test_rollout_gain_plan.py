@@ -261,13 +261,14 @@ def test_each_sides_command_line_is_what_the_experiment_claims(name, tmp_path, f
     stand-in allocation, and train_rl.py's flags as the preset and its plan say
     (after megatron_rl_gpu.py's TINY defaults, which they override)."""
     preset = presets.PRESETS[name]
-    for sides in ("without,with", "nogrow,with"):
+    for sides in ("without,with", "nogrow,with", "nogrow,twin"):
         out = tmp_path / sides.replace(",", "-")
         assert rollout_gain.main(["run", str(out), "--preset", name, "--pairs", "2",
                                   "--sides", sides]) == 0
     assert [r.name for r in fake_runs.started] == [
         "pair0_without", "pair0_with", "pair1_with", "pair1_without",
-        "pair0_nogrow", "pair0_with", "pair1_with", "pair1_nogrow"]
+        "pair0_nogrow", "pair0_with", "pair1_with", "pair1_nogrow",
+        "pair0_nogrow", "pair0_twin", "pair1_twin", "pair1_nogrow"]
     for run in fake_runs.started:
         settings, wrapper, train_rl = parse_command(run.argv)
         side = run.name.split("_")[1]
@@ -935,6 +936,24 @@ def test_the_old_presets_growth_cost_pairs_merge_against_growth_off(records, tmp
     assert gain["goals"]["iteration_time_at_most_1.01_of_growth_off"] == (
         gain["step_time_ratio"] <= 1.01)
     assert "concurrency_ratio_at_least_0.9_of_capacity_ratio" not in gain["goals"]
+
+
+def test_twin_pairs_merge_as_one_configuration_against_itself(records, tmp_path):
+    """``--sides nogrow,twin``: two runs of one configuration; the merge reads them like
+    any pair (the twin's transitions as the compared side's) and sets no goal: their
+    ratios are the loop's own run-to-run swing."""
+    out = tmp_path / "twins"
+    out.mkdir()
+    for path in glob.glob(os.path.join(records["pairs"], "pair*_with*")):
+        name = os.path.basename(path).replace("_with", "_twin")
+        (out / name).write_bytes(open(path, "rb").read())
+        (out / name.replace("_twin", "_nogrow")).write_bytes(open(path, "rb").read())
+    assert rollout_gain.main(["merge", str(out)]) == 0
+    gain = json.load(open(out / "rollout_gain.json"))
+    assert gain["sides"] == ["nogrow", "twin"] and gain["same_configuration"]
+    assert gain["goals"] == {} and gain["step_time_ratio"] == pytest.approx(1.0)
+    critical = json.load(open(out / "critical_path.json"))
+    assert critical["sides"] == ["nogrow", "twin"] and critical["per_run"]
 
 
 def test_the_memory_plot_of_a_pair_or_a_note_without_matplotlib(records, tmp_path, monkeypatch):
