@@ -727,6 +727,8 @@ def gain_summary(result: Interleaved, control, commands: list) -> dict:
                 for side in result.sides}
 
     waits = per_side("wait_before_first_token_s")
+    phases = {key: per_side(key) for key in (
+        "generation_s", "after_rollout_s", "train_step_s", "step_s")}
     extra_wait = None if None in waits.values() else waits[other] - waits[base]
     gain = {
         "sides": list(result.sides),
@@ -742,9 +744,8 @@ def gain_summary(result: Interleaved, control, commands: list) -> dict:
         "train_step_time_ratio": result.ratio("train_step_s"),
         # the iteration's three parts, per side (medians of the pairs): growth changes the
         # generation only; the other two are the same work on both sides
-        "iteration_phases": {side: {key: per_side(key)[side] for key in (
-            "generation_s", "after_rollout_s", "train_step_s", "step_s")}
-            for side in result.sides},
+        "iteration_phases": {side: {key: medians[side] for key, medians in phases.items()}
+                             for side in result.sides},
         # every measured iteration of every pair, pooled: compared mean / baseline mean
         "step_time_ratio_pooled": _ratio(
             _mean([t for p in result.pairs for t in p.results[other].get("step_s_each") or []]),
