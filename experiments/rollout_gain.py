@@ -246,6 +246,9 @@ def figures(prefix: str) -> dict:
     out["step_s_each"] = [b - a for a, b in zip(times[1:], times[2:])] or \
         [b - a for a, b in zip(times, times[1:])]
     out["step_s"] = _median(out["step_s_each"])
+    # what the run took an iteration, the mean over every iteration the marks bound: a
+    # growth probe's iteration (rollout 1) counts, which step_s leaves out
+    out["step_s_mean_all"] = _mean([b - a for a, b in zip(times, times[1:])])
     out.update(_phase_figures(records))
     last = records[max(records)]
     out["losses"] = [(it["iteration"], it["loss"]) for it in last["iterations"]]
@@ -809,8 +812,12 @@ def gain_summary(result: Interleaved, control, commands: list) -> dict:
         goals = {}
         gain["same_configuration"] = True
     else:
+        # every iteration counts here, the growth probe's too: its cost is the default's
+        every = result.ratio("step_s_mean_all")
+        gain["step_time_ratio_all_iterations"] = every
+        gain["step_time_ratio_all_iterations_spread"] = result.spread("step_s_mean_all")
         goals[f"iteration_time_at_most_{GROWTH_COST_GOAL}_of_growth_off"] = \
-            None if step is None else step <= GROWTH_COST_GOAL
+            None if every is None else every <= GROWTH_COST_GOAL
     gain["goals"] = goals
     return gain
 
