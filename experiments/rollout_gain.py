@@ -679,7 +679,7 @@ def merge(args) -> int:
     with open(os.path.join(out, "rollout_gain.json"), "w") as f:
         json.dump(gain, f, indent=1, default=str)
     withs = [p.results[sides[1]] for p in pairs if p.results[sides[1]].get("critical_path_s")]
-    critical = {"loop": "Megatron-LM train_rl.py, megatron-core 0.19.2, DP 2 on one H200; each "
+    critical = {"loop": "Megatron-LM train_rl.py, megatron-core 0.19.2, DP 2 on one GPU; each "
                         "rollout starts at once on the launch-size KV cache, which grows between "
                         "two engine steps once the suspends are over, where growing pays",
                 "sides": list(sides),

@@ -85,10 +85,10 @@ cp "$NCCL_XZ" "$WHEELS"/libnccl.so.2.xz
 
 # Each wheel re-written stored and xz'd whole: about 30 % fewer bytes, so fewer calls
 # (vllm_bundle.pack; about 15 minutes of xz here, seconds of lzma there). A re-cut
-# from the same wheels keeps the packed files (their digest is kept beside them) and
-# only cuts them again for the tree as it is now: seconds.
+# from the same wheels by the same packer keeps the packed files (the digest of both is
+# kept beside them) and only cuts them again for the tree as it is now: seconds.
 PACKED=.gpu/vllm-packed
-digest=$(cd "$WHEELS" && sha256sum -- * | sha256sum | cut -d' ' -f1)
+digest=$( (sha256sum tests/gpu/vllm_bundle.py; cd "$WHEELS" && sha256sum -- *) | sha256sum | cut -d' ' -f1)
 if [[ -d "$PACKED" && "$(cat "$PACKED.from" 2>/dev/null)" == "$digest" ]]; then
     echo "$PACKED: packed from these wheels already; cutting only"
 else
