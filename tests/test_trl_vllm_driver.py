@@ -415,3 +415,37 @@ def test_a_tree_that_is_not_pip_installed_is_told_to_install_it():
                           timeout=120, env=dict(cpu_env(), PYTHONPATH=""))
     assert done.returncode == 1, done.stdout + done.stderr
     assert "pip install --no-deps --no-build-isolation -e ." in done.stderr
+
+
+def test_a_failed_probe_stops_the_orchestrator_with_its_error_and_comes_back_for_another_try(
+        tmp_path, monkeypatch, capsys):
+    """The first device run: the probe failed at start-up, and the orchestrator then
+    died on edge_plan's ValueError with runs.json empty. Now it stops with the error,
+    the failed run's log comes back, and the same command tries the probe again."""
+    def fake_start(spec, args, folder, env):
+        os.makedirs(folder, exist_ok=True)
+        for rank in range(2):
+            with open(os.path.join(folder, f"rank.rank{rank}.json"), "w") as f:
+                json.dump({"rank": rank, "failed": {
+                    "stage": "start-up (GRPOTrainer: vllm.LLM)", "oom": None,
+                    "error": "ModuleNotFoundError: No module named 'flashinfer'"}}, f)
+        log_path = os.path.join(folder, "log.txt")
+        with open(log_path, "w") as f:
+            f.write("rank 0: FAILED in start-up: ModuleNotFoundError: No module named "
+                    "'flashinfer'\n")
+        return None, ["torchrun", "probe"], log_path, open(os.devnull, "w")
+
+    monkeypatch.setattr(drv, "start_run", fake_start)
+    monkeypatch.setattr(drv, "wait_run", lambda proc, folder, timeout_s: (1, False))
+    monkeypatch.setattr(common, "provenance", lambda driver: {"commit": "test"}, raising=False)
+    state, out = str(tmp_path / "state"), str(tmp_path / "out")
+    argv = ["pairs", "--state", state, "--out", out, "--budget-s", "600"]
+    assert drv.main(argv) == 1
+    printed = capsys.readouterr().out
+    assert "stopping: the probe failed" in printed and "No module named 'flashinfer'" in printed
+    runs = json.load(open(os.path.join(out, "runs.json")))
+    assert not runs["probe"]["ok"]
+    assert runs["probe"]["failed"]["errors"]["0"].startswith("ModuleNotFoundError")
+    assert "probe" not in json.load(open(os.path.join(state, "state.json")))["runs"]
+    assert drv.main(argv) == 1  # the same command: the probe again, not edge_plan's error
+    assert "run probe:" in capsys.readouterr().out

@@ -186,7 +186,7 @@ def test_install_puts_the_wheels_in_the_site_and_unpacks_nccl(tmp_path):
     store, site, nccl = (str(tmp_path / n) for n in ("store", "site", "nccl"))
     for part in manifest["parts"]:
         vb.receive(str(tmp_path / "out" / part["part"]), store)
-    done = vb.install(store, site, nccl)
+    done = vb.install(store, site, nccl, package=None)
     assert done["installed"] and sorted(done["wheels"]) == [
         "amemfakeone-1.0-py3-none-any.whl", "amemfaketwo-2.0-py3-none-any.whl"]
     assert open(os.path.join(nccl, "libnccl.so.2"), "rb").read() == library
@@ -195,7 +195,7 @@ def test_install_puts_the_wheels_in_the_site_and_unpacks_nccl(tmp_path):
                             "print(amemfakeone.__file__)"], env=dict(os.environ, PYTHONPATH=site),
                            capture_output=True, text=True, check=True).stdout
     assert found.startswith(site)
-    assert vb.install(store, site, nccl) == {"installed": False, "why": "already installed",
+    assert vb.install(store, site, nccl, package=None) == {"installed": False, "why": "already installed",
                                              "site": site}
 
 
@@ -210,12 +210,13 @@ def test_packed_wheels_are_smaller_unpack_to_the_same_members_and_install(tmp_pa
     rows = vb.pack(src, packed)
     assert [r[0] for r in rows] == ["amempacked-1.0-py3-none-any.whl"]
     assert sorted(os.listdir(packed)) == ["amempacked-1.0-py3-none-any" + vb.PACKED,
-                                          "libnccl.so.2.xz"]  # the library copied as it is
+                                          "libnccl.so.2.xz",  # the library copied as it is
+                                          vb.PACKED_FROM]
     manifest = vb.split(packed, str(tmp_path / "out"), 900)
     store, site, nccl = (str(tmp_path / n) for n in ("store", "site", "nccl"))
     for part in manifest["parts"]:
         vb.receive(str(tmp_path / "out" / part["part"]), store)
-    done = vb.install(store, site, nccl)
+    done = vb.install(store, site, nccl, package=None)
     assert done["wheels"] == ["amempacked-1.0-py3-none-any.whl"]
     assert open(os.path.join(nccl, "libnccl.so.2"), "rb").read() == b"nccl"
     with zipfile.ZipFile(wheel) as a:
@@ -315,8 +316,51 @@ def test_the_command_line_splits_receives_installs_and_prints_the_environment(tm
     for part in manifest["parts"]:
         assert vb.main(["receive", str(tmp_path / "out" / part["part"]), "--store", store]) == 0
     assert "all here" in capsys.readouterr().out.splitlines()[-1]
-    assert vb.main(["install", "--store", store, "--site", str(tmp_path / "site")]) == 0
+    assert vb.main(["install", "--store", store, "--site", str(tmp_path / "site"),
+                    "--no-package"]) == 0
     assert json.loads(capsys.readouterr().out)["wheels"] == ["amemfakecli-1.0-py3-none-any.whl"]
     assert vb.main(["env"]) == 0
     exports = capsys.readouterr().out
     assert f"export PYTHONPATH={vb.SITE}{os.pathsep}{vb.ROOT}" in exports
+    assert "export VLLM_USE_FLASHINFER_SAMPLER=0" in exports
+
+
+def test_install_package_installs_the_repository_editable_in_the_given_python(tmp_path):
+    # the GPU scripts import amem_callbacks.adapters, which exists only as installed
+    record = tmp_path / "argv"
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\nprintf '%s\\n' \"$@\" > {record}\n")
+    python.chmod(0o755)
+    vb.install_package(str(python), "/some/checkout")
+    assert record.read_text().split() == ["-m", "pip", "install", "-q", "--no-deps",
+                                          "--no-build-isolation", "--no-index", "-e",
+                                          "/some/checkout"]
+    record.unlink()
+    vb.install_package(str(python), None)
+    assert not record.exists()
+
+
+def test_the_environment_turns_off_the_flashinfer_sampler_that_does_not_travel():
+    assert not any(p.startswith("flashinfer") for p in vb.CARRIED)
+    assert vb.environment(base={})["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+    assert vb.environment(base={"VLLM_USE_FLASHINFER_SAMPLER": "1"})[
+        "VLLM_USE_FLASHINFER_SAMPLER"] == "1"  # a user's own choice stands
+
+
+def test_pack_keeps_what_it_packed_from_the_same_bytes_and_drops_orphans(tmp_path):
+    src, packed = str(tmp_path / "src"), str(tmp_path / "packed")
+    os.makedirs(src)
+    fake_wheel(src, "amemkeepone", "1.0")
+    assert [r[0] for r in vb.pack(src, packed)] == ["amemkeepone-1.0-py3-none-any.whl"]
+    assert vb.pack(src, packed) == []  # nothing new: nothing xz'd again
+    two = fake_wheel(src, "amemkeeptwo", "1.0")
+    assert [r[0] for r in vb.pack(src, packed)] == ["amemkeeptwo-1.0-py3-none-any.whl"]
+    with zipfile.ZipFile(two, "a") as z:  # the same name, other bytes: packed again
+        z.writestr("amemkeeptwo/more.txt", "x")
+    assert [r[0] for r in vb.pack(src, packed)] == ["amemkeeptwo-1.0-py3-none-any.whl"]
+    os.remove(two)
+    vb.pack(src, packed)
+    assert sorted(os.listdir(packed)) == ["amemkeepone-1.0-py3-none-any" + vb.PACKED,
+                                          vb.PACKED_FROM]
+    manifest = vb.split(packed, str(tmp_path / "out"), 10_000)  # the record does not travel
+    assert [f["file"] for f in manifest["files"]] == ["amemkeepone-1.0-py3-none-any" + vb.PACKED]

@@ -84,18 +84,12 @@ rebuild it with ../shared/tools/device-nccl .nccl $NCCL_VERSION 90" >&2; exit 1;
 cp "$NCCL_XZ" "$WHEELS"/libnccl.so.2.xz
 
 # Each wheel re-written stored and xz'd whole: about 30 % fewer bytes, so fewer calls
-# (vllm_bundle.pack; about 15 minutes of xz here, seconds of lzma there). A re-cut
-# from the same wheels by the same packer keeps the packed files (the digest of both is
-# kept beside them) and only cuts them again for the tree as it is now: seconds.
+# (vllm_bundle.pack; about 15 minutes of xz for the whole set here, seconds of lzma
+# there). A file packed before from the same bytes is kept (packed-from.json), so a
+# re-cut after a change to the tree or one added wheel takes seconds.
 PACKED=.gpu/vllm-packed
-digest=$( (sha256sum tests/gpu/vllm_bundle.py; cd "$WHEELS" && sha256sum -- *) | sha256sum | cut -d' ' -f1)
-if [[ -d "$PACKED" && "$(cat "$PACKED.from" 2>/dev/null)" == "$digest" ]]; then
-    echo "$PACKED: packed from these wheels already; cutting only"
-else
-    rm -rf "$PACKED" "$PACKED.from"
-    python3 tests/gpu/vllm_bundle.py pack "$WHEELS" "$PACKED"
-    echo "$digest" > "$PACKED.from"
-fi
+rm -f "$PACKED.from"   # the whole-set digest this replaced
+python3 tests/gpu/vllm_bundle.py pack "$WHEELS" "$PACKED"
 python3 tests/gpu/vllm_bundle.py split "$PACKED" "$DEST"
 
 # The device calls, in order: one part folder each, back to back (the machine keeps

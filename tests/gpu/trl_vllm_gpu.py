@@ -1133,7 +1133,17 @@ def orchestrate(args) -> int:
             state["estimate_s"] = max(state.get("estimate_s", 0), run["seconds"] * 1.15)
         print(f"  {'ok' if run['ok'] else 'FAILED'}: KV {run['kv_cache_tokens']} tokens, "
               f"{run['tokens_per_s'] and round(run['tokens_per_s'])} tokens/s"
-              + ("" if run["ok"] else f"; {run['failed']['oom']}"), flush=True)
+              + ("" if run["ok"] else "; " + (run["failed"]["oom"] or "; ".join(
+                  sorted(set(run["failed"]["errors"].values()))) or f"rc {rc}")), flush=True)
+        write_outputs(state, state_path, args.out)  # a failure's log comes back too
+        if spec["variant"] == "probe" and not run["ok"]:
+            # every later run is sized from the probe: stop here, and let the same
+            # command run it again once the cause is mended
+            del state["runs"]["probe"]
+            write_outputs(state, state_path, None)
+            print("stopping: the probe failed, so nothing can be sized from it:\n"
+                  + "\n".join(lines[-25:]), flush=True)
+            return 1
 
 
 def write_outputs(state: dict, state_path: str, out: Optional[str]) -> None:

@@ -112,16 +112,20 @@ CARRIED = {
     "datasets==5.2.0": "trl",
     "dill==0.4.1": "datasets",
     "multiprocess==0.70.19": "datasets",
+    "compressed-tensors==0.17.0": "vLLM's quantization registry (get_quantization_config, "
+                                  "run for every model on CUDA while the LLM is built) imports "
+                                  "CompressedTensorsConfig: the first device run stopped there",
+    "loguru==0.7.3": "compressed-tensors imports it; the image lacks it",
 }
 
 #: vLLM 0.31.0's other requirements: in the image (IN_IMAGE), or not imported on the
 #: colocate path (why), so they stay here. ``audit`` fails when vLLM names one that
 #: is in none of the three; ``check`` on the GPU machine lists the unmet ones.
 NOT_CARRIED = {
-    "flashinfer-python": "vLLM checks for it and falls back (FlashAttention 3 on Hopper; "
-                         "PyTorch top-p/top-k sampling)",
-    "compressed-tensors": "quantized checkpoints: only the quantization methods that use it "
-                          "import it (not imported by the colocate modules)",
+    "flashinfer-python": "FlashAttention 3 attends on Hopper (the backend selector skips "
+                         "backends whose import fails). The V2 model runner's sampler imports "
+                         "the FlashInfer backend unless VLLM_USE_FLASHINFER_SAMPLER=0, which "
+                         "environment() sets: top-p/top-k sample in PyTorch, on both sides",
     "tilelang": "imported only inside the kernels that use it (not Qwen2's)",
     "nvidia-cudnn-frontend": "cuDNN attention / FP8 paths only",
     "nvtx": "profiling ranges only (imported inside a function)",
@@ -199,6 +203,11 @@ COLOCATE_MODULES = (
     "vllm.v1.attention.backends.flash_attn", "vllm.device_allocator.cumem",
     "vllm.distributed.weight_transfer.nccl_common", "trl.generation.vllm_generation",
     "trl.trainer.grpo_trainer",
+    # what building an LLM imports beyond the modules above (the first device run's stops)
+    "vllm.v1.worker.gpu.model_runner", "vllm.v1.worker.gpu.sample.sampler",
+    "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors",
+    # the package itself, installed by install(): the GPU scripts import the adapter
+    "amem_callbacks.adapters.trl",
 )
 
 
@@ -254,35 +263,62 @@ def audit(wheel: str) -> list:
 PACKED = ".whl.xz"
 
 
+#: the packed form's version: a change to how pack() writes a file re-packs every file
+PACK_FORMAT = 1
+#: beside the packed files: each source file's sha256 and the format it was packed in
+PACKED_FROM = "packed-from.json"
+
+
 def pack(src: str, dest: str, xz_threads: int = 0) -> list:
     """Every wheel of ``src`` as ``dest/NAME.whl.xz``, other files copied as they are.
     A wheel's members are deflated one by one; re-written stored and compressed whole
     with xz they take about 30 % less (vLLM 0.31.0's 320.6 MB wheel: 221.6 MB), so the
     bundle needs fewer device calls. The members' bytes, names and modes do not change,
     so the wheel's RECORD still holds and pip installs the unpacked file as it is.
-    Returns (name, bytes before, bytes after) rows."""
+    A file packed before from the same bytes in the same format is kept (xz of the
+    whole set takes about 15 minutes here; one added wheel, seconds), and packed files
+    whose source is gone are removed. Returns (name, bytes before, bytes after) rows
+    of the files packed now."""
     os.makedirs(dest, exist_ok=True)
-    rows = []
+    record_path = os.path.join(dest, PACKED_FROM)
+    before = json.load(open(record_path)) if os.path.isfile(record_path) else {}
+    record, rows = {}, []
     for name in sorted(os.listdir(src)):
         path = os.path.join(src, name)
         if not os.path.isfile(path):
             continue
-        if not name.endswith(".whl"):
-            shutil.copyfile(path, os.path.join(dest, name))
+        target = os.path.join(dest, name[:-4] + PACKED if name.endswith(".whl") else name)
+        source = {"sha256": sha256_of(path), "format": PACK_FORMAT,
+                  "packed": os.path.basename(target)}
+        if before.get(name) == source and os.path.isfile(target):
+            record[name] = source
             continue
-        target = os.path.join(dest, name[:-4] + PACKED)
-        with tempfile.NamedTemporaryFile(dir=dest, suffix=".zip", delete=False) as stored:
-            with zipfile.ZipFile(path) as wheel, zipfile.ZipFile(stored, "w") as out:
-                for info in wheel.infolist():
-                    member = zipfile.ZipInfo(info.filename, info.date_time)
-                    member.external_attr = info.external_attr
-                    out.writestr(member, wheel.read(info), zipfile.ZIP_STORED)
-        try:
-            _xz(stored.name, target, xz_threads)
-        finally:
-            os.remove(stored.name)
-        rows.append((name, os.path.getsize(path), os.path.getsize(target)))
+        if not name.endswith(".whl"):
+            shutil.copyfile(path, target)
+        else:
+            _pack_wheel(path, target, dest, xz_threads)
+            rows.append((name, os.path.getsize(path), os.path.getsize(target)))
+        record[name] = source
+    kept = {r["packed"] for r in record.values()} | {PACKED_FROM}
+    for name in os.listdir(dest):  # a wheel swapped for another version leaves no orphan
+        if name not in kept and os.path.isfile(os.path.join(dest, name)):
+            os.remove(os.path.join(dest, name))
+    with open(record_path, "w") as f:
+        json.dump(record, f, indent=1, sort_keys=True)
     return rows
+
+
+def _pack_wheel(path: str, target: str, dest: str, xz_threads: int) -> None:
+    with tempfile.NamedTemporaryFile(dir=dest, suffix=".zip", delete=False) as stored:
+        with zipfile.ZipFile(path) as wheel, zipfile.ZipFile(stored, "w") as out:
+            for info in wheel.infolist():
+                member = zipfile.ZipInfo(info.filename, info.date_time)
+                member.external_attr = info.external_attr
+                out.writestr(member, wheel.read(info), zipfile.ZIP_STORED)
+    try:
+        _xz(stored.name, target, xz_threads)
+    finally:
+        os.remove(stored.name)
 
 
 def _xz(src: str, target: str, threads: int) -> None:
@@ -393,7 +429,8 @@ def split(src: str, dest: str, part_bytes: int, notes: Optional[dict] = None) ->
     parts: size, sha256). Returns the manifest (also ``dest/manifest.json``)."""
     if part_bytes <= 0:
         raise ValueError(f"part_bytes must be > 0, got {part_bytes}")
-    names = sorted(n for n in os.listdir(src) if os.path.isfile(os.path.join(src, n)))
+    names = sorted(n for n in os.listdir(src)
+                   if os.path.isfile(os.path.join(src, n)) and n != PACKED_FROM)
     if not names:
         raise ValueError(f"{src} holds no files to split")
     layout = Layout(part_bytes, tuple((n, os.path.getsize(os.path.join(src, n))) for n in names))
@@ -546,16 +583,17 @@ def assemble(store: str, dest: str) -> list:
 
 
 def install(store: str = STORE, site: str = SITE, nccl_dir: str = NCCL_DIR,
-            python: str = sys.executable) -> dict:
+            python: str = sys.executable, package: Optional[str] = ROOT) -> dict:
     """Device side: re-assemble the files, install every wheel into ``site``
     (``pip --no-index --no-deps --target``: the image's own packages stay as they
-    are) and unpack NCCL into ``nccl_dir``. Does nothing when ``site`` already holds
-    this bundle."""
+    are), unpack NCCL into ``nccl_dir`` and install ``package`` (this repository;
+    None: not). Only the package when ``site`` already holds this bundle."""
     manifest = load_manifest(store)
     marker = os.path.join(site, ".amem-vllm-bundle")
     if os.path.isfile(marker):
         with open(marker) as f:
             if f.read().strip() == manifest["bundle_id"]:
+                install_package(python, package)
                 return {"installed": False, "why": "already installed", "site": site}
     files = assemble(store, os.path.join(store, "files"))
     files = [unpack_wheel(p) if p.endswith(PACKED) else p for p in files]
@@ -573,10 +611,26 @@ def install(store: str = STORE, site: str = SITE, nccl_dir: str = NCCL_DIR,
             libraries.append(target)
     for path in files:  # the assembled copies: 1.2 GB the disk need not hold twice
         os.remove(path)
+    install_package(python, package)
     with open(marker, "w") as f:
         f.write(manifest["bundle_id"])
     return {"installed": True, "site": site, "wheels": [os.path.basename(w) for w in wheels],
             "libraries": libraries}
+
+
+def install_package(python: str = sys.executable, root: Optional[str] = ROOT) -> None:
+    """The package itself, editable, into the image's Python: ``amem_callbacks.adapters``
+    exists only as installed (pyproject maps adapters/ there), and the GPU scripts run
+    on it. The first device run stopped at that import."""
+    if root is None:
+        return
+    subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                    "--no-index", "-e", root], check=True)
+
+
+#: what environment() sets, so what ``env`` prints for a shell to eval
+ENV_KEYS = ("PYTHONPATH", "LD_PRELOAD", "NCCL_MULTI_RANK_GPU_ENABLE",
+            "PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK", "VLLM_USE_FLASHINFER_SAMPLER")
 
 
 def environment(base: Optional[dict] = None, site: str = SITE, nccl_dir: str = NCCL_DIR,
@@ -600,6 +654,9 @@ def environment(base: Optional[dict] = None, site: str = SITE, nccl_dir: str = N
     # cuDNN kernels (no convolutions; vLLM attends with FlashAttention 3, the trainer
     # with eager attention): the check is what would fail, not a kernel.
     env.setdefault("PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK", "1")
+    # flashinfer does not travel (NOT_CARRIED): without this vLLM 0.31's sampler imports
+    # it while the engine is built and the start-up fails (measured, the first device run)
+    env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
@@ -723,9 +780,12 @@ def main(argv: Optional[list] = None) -> int:
     p = sub.add_parser("receive", help="device: take one carried part folder")
     p.add_argument("part_dir")
     p.add_argument("--store", default=STORE)
-    p = sub.add_parser("install", help="device: assemble the parts and install the wheels")
+    p = sub.add_parser("install", help="device: assemble the parts and install the wheels "
+                                       "and this repository's package")
     p.add_argument("--store", default=STORE)
     p.add_argument("--site", default=SITE)
+    p.add_argument("--no-package", action="store_true",
+                   help="the wheels only, not this repository (editable) into this Python")
     p = sub.add_parser("check", help="device: import the colocate path in the bundle's env")
     p.add_argument("--site", default=SITE)
     sub.add_parser("env", help="export lines for a shell (eval \"$(... env)\")")
@@ -762,15 +822,15 @@ def main(argv: Optional[list] = None) -> int:
               + (f"; still to send: {', '.join(missing)}" if missing else
                  "; all here: run `python3 tests/gpu/vllm_bundle.py install`"))
     elif args.command == "install":
-        print(json.dumps(install(args.store, args.site)))
+        print(json.dumps(install(args.store, args.site,
+                                 package=None if args.no_package else ROOT)))
     elif args.command == "check":
         result = check(args.site)
         print(json.dumps(result, indent=1))
         return 0 if result["ok"] else 1
     elif args.command == "env":
         env = environment()
-        for key in ("PYTHONPATH", "LD_PRELOAD", "NCCL_MULTI_RANK_GPU_ENABLE",
-                    "PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK"):
+        for key in ENV_KEYS:
             if env.get(key):
                 print(f"export {key}={shlex.quote(env[key])}")
     return 0
