@@ -138,8 +138,8 @@ class VllmLog(logging.Handler):
     """vLLM's log records of this process (its loggers are children of "vllm"),
     kept as text: each rank reads its own engine's lines, not the interleaved stdout.
 
-    Installed once vLLM is imported: importing it configures its logging with
-    dictConfig, which replaces the handlers of the "vllm" logger."""
+    On GPU the run turns vLLM's own logging set-up off (VLLM_CONFIGURE_LOGGING=0):
+    vLLM 0.31 applies its dictConfig while the engine is built, which would drop it."""
 
     def __init__(self):
         super().__init__(level=logging.INFO)
@@ -151,11 +151,19 @@ class VllmLog(logging.Handler):
         except Exception:  # noqa: BLE001 - a record that cannot format is not ours to fix
             pass
 
-    def install(self) -> "VllmLog":
+    def install(self, echo: bool = False) -> "VllmLog":
+        """``echo``: also print the records to stdout, as vLLM's own set-up would."""
         vllm_logger = logging.getLogger("vllm")
-        if vllm_logger.getEffectiveLevel() > logging.INFO:  # unconfigured (CPU stand-in)
+        if vllm_logger.getEffectiveLevel() > logging.INFO:  # unconfigured: ours to set
             vllm_logger.setLevel(logging.INFO)
         vllm_logger.addHandler(self)
+        if echo:
+            stream = logging.StreamHandler(sys.stdout)
+            stream.setFormatter(logging.Formatter(
+                f"(rank {os.environ.get('RANK', '0')}) %(levelname)s %(asctime)s "
+                "[%(filename)s:%(lineno)d] %(message)s"))
+            vllm_logger.addHandler(stream)
+            vllm_logger.propagate = False  # once, not again through the root's handlers
         return self
 
 
@@ -708,8 +716,14 @@ def run_rank(args) -> int:
         from trl import GRPOConfig, GRPOTrainer
 
         if not cpu:
-            import vllm.logger  # noqa: F401 - its logging set-up first, then our handler
-        log.install()
+            # vLLM 0.31 applies its dictConfig when the engine is built (LLMEngine's
+            # configure_logging_if_needed), which drops a handler installed before, and
+            # trl sets VLLM_LOGGING_LEVEL=ERROR: the first device run read no KV line. With
+            # vLLM's own set-up off, its records reach this handler at INFO, and this
+            # handler echoes them to the run's log.
+            os.environ["VLLM_CONFIGURE_LOGGING"] = "0"
+            import vllm.logger  # noqa: F401
+        log.install(echo=not cpu)
 
         from amem_callbacks.groups import name_group, register_roles
 
