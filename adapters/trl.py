@@ -11,12 +11,14 @@ from typing import Iterable, Mapping, Optional, Union
 from amem_callbacks import OffloadPolicy
 from amem_callbacks.errors import AdapterError, OptionError
 from amem_callbacks.groups import keep_name, register_roles
+from amem_callbacks.headroom import gpu_total_bytes
 from amem_callbacks.log import logger
 from amem_callbacks.options import OffloadOptions, check_bool, map_options
 from amem_callbacks.patching import Patches
 from amem_callbacks.session import RolloutSession, SessionViews
 
 from ._trl_groups import generation_mode, groups_generation_uses, needs_settle_after_generate
+from ._vllm_memory import upcoming_bytes
 
 try:
     from transformers import TrainerCallback
@@ -71,6 +73,7 @@ class AMemCallback(TrainerCallback, SessionViews):
         self._phase_done = False  # this _generate already had its begin and end
         self._hooked = False
         self._settle_after_generate = True
+        self._headroom_from = None  # the begin the headroom line is read from
 
     # --- finding and handing over the trainer ------------------------------
     def on_init_end(self, args, state, control, **kwargs):
@@ -148,19 +151,34 @@ class AMemCallback(TrainerCallback, SessionViews):
             self._inside_generate = False
         if self.session is not None and self._settle_after_generate:
             self.session.settle()  # collectives the guard cannot see come next
+        self._tell_headroom()
         return result
 
-    def _start(self, where: str, memory_needed_now: bool = False) -> None:
+    def _start(self, where: str, memory_needed_now: bool = False,
+               allocating_bytes: Optional[int] = None) -> None:
+        """``memory_needed_now``: something allocates right after; with
+        ``allocating_bytes`` (how much), the begin waits only for what the free
+        memory lacks, else for all of it."""
         if (not self._inside_generate or self._phase_done or self.session is None
                 or self.session.active or self._suspends_nothing()):
             return
         logger.debug("amem_callbacks: generation starts (%s): begin", where)
-        report = self.session.start(where, need_bytes=None if memory_needed_now else 0)
-        if memory_needed_now:  # vLLM colocated: how far its share can go, once
-            self.session.tell_headroom(
-                "vllm_gpu_memory_utilization",
-                getattr(getattr(self.trainer, "args", None), "vllm_gpu_memory_utilization", None),
-                report)
+        if not memory_needed_now:
+            self.session.start(where, need_bytes=0)
+        elif allocating_bytes is not None:
+            self._headroom_from = self.session.start(where, allocating_bytes=allocating_bytes)
+        else:
+            self._headroom_from = self.session.start(where, need_bytes=None)
+
+    def _tell_headroom(self) -> None:
+        """vLLM colocated: how far its share can go, once, from a begin that has
+        finished (one that did not wait may still be running: the next one tells)."""
+        report, self._headroom_from = self._headroom_from, None
+        if report is not None and not report.pending and self.session is not None:
+            self.session.tell_headroom("vllm_gpu_memory_utilization", self._share(), report)
+
+    def _share(self) -> Optional[float]:
+        return getattr(getattr(self.trainer, "args", None), "vllm_gpu_memory_utilization", None)
 
     def _stop(self, where: str) -> None:
         if self.session is None or not self.session.active:
@@ -217,7 +235,12 @@ class AMemCallback(TrainerCallback, SessionViews):
         def wake_up(*args, **kwargs):
             tags = kwargs.get("tags", args[0] if args else None)
             if tags is None or "kv_cache" in tags:  # the KV cache needs the memory now
-                self._start("vLLM KV-cache wake-up", memory_needed_now=True)
+                # what vLLM takes next, from its own allocator: the begin waits only
+                # for what the free memory lacks (nothing at a share that fits anyway)
+                upcoming = upcoming_bytes(tags, self._share(),
+                                          gpu_total_bytes(self.options.device))
+                self._start("vLLM KV-cache wake-up", memory_needed_now=True,
+                            allocating_bytes=upcoming)
 
         llm = vllm_generation.llm
         self._patches.wrap(llm, "wake_up", before=wake_up)

@@ -107,6 +107,9 @@ class TransitionReport:
     hold_s: float = 0.0
     #: ... and the seconds from the call until they started (0: not held)
     held_seconds: float = 0.0
+    #: a begin told what its caller allocates next (``start(allocating_bytes=)``):
+    #: the bytes it waited to have freed (0: none, it all fit; None: not told)
+    waited_for_bytes: Optional[int] = None
 
     def _with(self, action: Outcome) -> list:
         return [g for g in self.groups if g.action == action]
@@ -157,6 +160,8 @@ class TransitionReport:
         }
         if self.kind is Kind.BEGIN:
             out[p + "held_seconds"] = self.held_seconds
+            if self.waited_for_bytes is not None:
+                out[p + "waited_for_bytes"] = self.waited_for_bytes
         if self.device_freed_bytes is not None:
             # device-wide when the GPU is shared: the key says so
             shared = "device_freed_bytes" if self.device_shared_by <= 1 else \

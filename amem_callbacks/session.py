@@ -46,6 +46,8 @@ from typing import Optional
 
 from . import headroom
 from .errors import OptionError
+from .headroom import DEFAULT_MARGIN_BYTES
+from .memory import device_free_bytes
 from .options import MAX_BYTES, check_number, check_wait
 from .log import logger
 from .report import TransitionReport
@@ -130,6 +132,17 @@ class SessionViews:
         return None
 
 
+def lacking_bytes(allocating: int, free: Optional[int], shared_by: int = 1,
+                  margin: int = DEFAULT_MARGIN_BYTES) -> Optional[int]:
+    """What a begin must free before ``allocating`` bytes fit: None (all of it)
+    when the free memory is unknown; else what ``free`` (this rank's part where
+    ``shared_by`` ranks share the GPU, each allocating as much) lacks for the
+    allocation and ``margin``; 0 when it fits."""
+    if free is None:
+        return None
+    return max(0, allocating + margin - free // max(1, shared_by))
+
+
 class RolloutSession(SessionViews):
     """The rollout phase of one training process.
 
@@ -157,7 +170,8 @@ class RolloutSession(SessionViews):
 
     # --- the phase ---------------------------------------------------------
     def start(self, where: str, *, need_bytes: Optional[int] = None,
-              hold_s: float = 0.0) -> Optional[TransitionReport]:
+              hold_s: float = 0.0, allocating_bytes: Optional[int] = None
+              ) -> Optional[TransitionReport]:
         """Collective: begin the phase (nothing when it is already active).
 
         Args:
@@ -168,18 +182,35 @@ class RolloutSession(SessionViews):
             hold_s: with ``need_bytes=0``, hold this rank's suspends until
                 :meth:`start_suspends` (at most this long): the rollout's first
                 GPU work goes before them (``OffloadPolicy.begin``'s ``hold_s``).
+            allocating_bytes: instead of ``need_bytes``: this rank allocates this
+                many bytes right after; wait only for what the device's free
+                memory (before the begin, this rank's part of it where ranks share
+                the GPU, less a margin) lacks: nothing when it all fits.
         """
         if hold_s and need_bytes != 0:
             raise OptionError(f"start(hold_s={hold_s!r}) holds the suspends, so it cannot "
                               f"also wait for them (need_bytes={need_bytes!r}): pass "
                               "need_bytes=0, or hold_s=0 to wait")
+        if allocating_bytes is not None:
+            check_number("allocating_bytes", allocating_bytes, minimum=0, integer=True,
+                         maximum=MAX_BYTES, why="2**63 - 1: NCCL counts bytes in 64 bits")
+            if need_bytes is not None or hold_s:
+                raise OptionError("start(allocating_bytes=...) works out what to wait for "
+                                  f"itself: drop need_bytes={need_bytes!r} and "
+                                  f"hold_s={hold_s!r}, or drop allocating_bytes")
         with self._lock:
             if self.active:
                 return None
             began = time.monotonic()
+            free_before = (device_free_bytes(self._policy.options.device)
+                           if allocating_bytes is not None else None)
             # hold_s only when asked: a policy subclass with the older begin(phase) works on
             report = (self._policy.begin(self.phase, hold_s=hold_s) if hold_s
                       else self._policy.begin(self.phase))
+            if allocating_bytes is not None:
+                need_bytes = lacking_bytes(allocating_bytes, free_before,
+                                           report.device_shared_by)
+                report.waited_for_bytes = need_bytes
             if need_bytes is None:
                 self._policy.wait()
             elif need_bytes > 0:

@@ -131,3 +131,29 @@ def held_then_cycles(args):
                      "resumed": sorted(g.name for g in end.groups if str(g.action) == "resumed"),
                      "exact": all(allreduce_ok(g, cycle + 2) for g in groups.values())})
     return {"rows": rows, "counts": _counts(fake)}
+
+
+def allocating(args):
+    """``start(allocating_bytes=...)``: the caller allocates right after; the free
+    memory before the begin is ``args["free"]`` (None: unknown). The fake suspends
+    (they run side by side) take 0.3 s (world), 0.6 s (dp) and 0.9 s (ep), so the
+    caller's wait shows what it waited for."""
+    import amem_callbacks.session as session_module
+
+    groups, fake = fake_groups(peers=True)
+    for name, delay_s in (("world", 0.3), ("dp", 0.6), ("ep", 0.9)):
+        fake.controls.delay(fake.handle_of(groups[name])[0], int(delay_s * 1e6))
+    session_module.device_free_bytes = lambda device=None: args["free"]
+    session = RolloutSession(_policy(fake))
+    began = time.monotonic()
+    report = session.start("KV wake-up", allocating_bytes=args["allocating"])
+    out = {"back_s": time.monotonic() - began, "suspended_at_return": fake.suspended(), "waited_for_bytes": report.waited_for_bytes,
+           "pending_at_return": report.pending, "freed_at_return": session.freed().nbytes,
+           "shared_by": report.device_shared_by}
+    session.policy.wait()
+    out["flat"] = report.as_dict()
+    session.stop("KV wake-up")
+    session.policy.wait()
+    out.update(counts=_counts(fake), after=fake.suspended(),
+               exact=all(allreduce_ok(g, 2.0) for g in groups.values()))
+    return out

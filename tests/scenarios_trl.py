@@ -190,6 +190,8 @@ def train(callback_options=None, trainer_class=None, configure=None, fake=None, 
                    metrics=callback.metrics(),
                    begin_groups={g.name: [g.action, g.reason] for g in callback.last_begin.groups}
                    if callback.last_begin is not None else {},
+                   waited_for_bytes=callback.last_begin.waited_for_bytes
+                   if callback.last_begin is not None else None,
                    attached=callback.trainer is trainer,
                    registered=sum(cb is callback for cb in trainer.callback_handler.callbacks))
         callback.detach()
@@ -349,6 +351,41 @@ def configure_colocate(trainer):
         state = types.ModuleType("vllm.distributed.parallel_state")
         state._TP = types.SimpleNamespace(device_group=dist.new_group(), cpu_group=None)
         sys.modules[state.__name__] = state
+
+
+MIB = 2**20
+
+
+def fake_cumem(kv_asleep_mib: int = 200, weights_mib: int = 300) -> None:
+    """vLLM's CuMemAllocator singleton as its sleep mode leaves it between sleep and
+    the KV wake-up (vllm/device_allocator/cumem.py: handle = (device, size, pointer,
+    cuMem handle)): the weights woken, the KV cache asleep."""
+    module = types.ModuleType("vllm.device_allocator.cumem")
+
+    def row(tag, mib, asleep, pointer):
+        return types.SimpleNamespace(handle=(0, mib * MIB, pointer, 0), tag=tag,
+                                     is_asleep=asleep, cpu_backup_tensor=None)
+
+    table = {1: row("weights", weights_mib, False, 1), 2: row("kv_cache", kv_asleep_mib, True, 2)}
+    module.CuMemAllocator = types.SimpleNamespace(
+        instance=types.SimpleNamespace(pointer_to_data=table))
+    sys.modules[module.__name__] = module
+
+
+def colocate_allocating(args):
+    """Colocate runs whose begin before the KV wake-up is told what vLLM maps next
+    (its allocator, faked) and the free memory (faked: CPU has none to read):
+    ``free`` 64 GiB fits, 0 lacks, None is unknown."""
+    import amem_callbacks.session as session_module
+
+    fake = scenario_prelude(args)
+    baseline = train(configure=configure_colocate, max_steps=2)
+    fake_cumem()
+    session_module.device_free_bytes = lambda device=None: args["free"]
+    options = {"backend": "fake", "agree_timeout_s": 20, "overlap": True}
+    run = train(options, configure=configure_colocate, fake=fake, max_steps=2)
+    del sys.modules["vllm.device_allocator.cumem"]
+    return {"baseline": baseline, "amem": run}
 
 
 def vllm_modes(args):

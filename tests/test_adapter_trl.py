@@ -150,6 +150,21 @@ def test_vllm_colocate_frees_memory_before_the_kv_cache_wakes_and_keeps_vllm_gro
         assert_same_training(run, res["colocate"]["baseline"])
 
 
+@pytest.mark.parametrize("free, waited", [(64 * 2**30, 0), (0, (200 + 512) * 2**20),
+                                          (None, None)])
+def test_vllm_colocate_waits_only_for_what_vllms_kv_wake_up_lacks(free, waited):
+    """The begin before vLLM's KV wake-up reads what vLLM maps (its allocator's
+    sleeping KV cache, 200 MiB here) and waits only for what the free memory lacks
+    (with the 512 MiB margin); unknown free memory waits for all, as before."""
+    for res in results("colocate_allocating", backend="fake", free=free):
+        run = res["amem"]
+        assert run["counters"]["amem/total/begins"] == 2
+        assert run["begin_groups"]["world"][0] == "suspended"
+        assert run["waited_for_bytes"] == waited
+        assert run["counters"]["amem/total/auto_resumes"] == 0
+        assert_same_training(run, res["baseline"])
+
+
 @pytest.mark.parametrize("bad, words", [
     ({"backend": "cuda"}, "'auto', 'nccl', 'amem', 'noop'"),
     ({"guard": "loose"}, "('resume', 'strict', 'off')"),

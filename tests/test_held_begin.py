@@ -85,3 +85,56 @@ def test_a_start_that_holds_cannot_also_wait_for_the_memory():
         with pytest.raises(OptionError, match="need_bytes=0"):
             session.start("generate", need_bytes=need, hold_s=1.0)
     assert not session.active and not session.start_suspends()
+
+
+MIB = 2**20
+GROUP_BYTES = 480 * MIB  # tests.scenarios.FakeNccl's default size per communicator
+
+
+@pytest.mark.parametrize("case", ["fits", "lacks", "unknown"])
+def test_a_start_told_what_comes_next_waits_only_for_what_the_free_memory_lacks(case):
+    """TRL's colocated vLLM: the begin before its KV wake-up waits for the suspends
+    only where the free memory cannot hold what vLLM maps next."""
+    from amem_callbacks.headroom import DEFAULT_MARGIN_BYTES
+
+    allocating = 100 * MIB
+    free = {"fits": 64 * 2**30, "lacks": 0, "unknown": None}[case]
+    for res in results("allocating", free=free, allocating=allocating):
+        assert res["counts"] == SUSPENDED_ON_A_CYCLE | {"tp": [0, 0]}, res
+        assert not any(res["after"].values()) and res["exact"]
+        if case == "fits":  # returned at once, the suspends (0.3-0.9 s) still running
+            assert res["waited_for_bytes"] == 0 and res["pending_at_return"], res
+            assert not any(res["suspended_at_return"].values())
+            assert res["flat"]["amem/begin/waited_for_bytes"] == 0
+        elif case == "lacks":  # 612 MiB: world's and dp's 960 MiB (0.6 s), not ep's (0.9 s)
+            need = allocating + DEFAULT_MARGIN_BYTES
+            assert res["waited_for_bytes"] == need and res["pending_at_return"], res
+            assert res["freed_at_return"] == 2 * GROUP_BYTES
+            assert res["suspended_at_return"] == {"dp": True, "ep": False, "tp": False,
+                                                  "world": True}
+        else:  # no reading: the whole begin, as without the argument
+            assert res["waited_for_bytes"] is None and not res["pending_at_return"]
+            assert res["freed_at_return"] == 3 * GROUP_BYTES
+            assert res["suspended_at_return"] == {"dp": True, "ep": True, "tp": False,
+                                                  "world": True}
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"allocating_bytes": -1}, "allocating_bytes"),
+    ({"allocating_bytes": 1.5}, "allocating_bytes"),
+    ({"allocating_bytes": 1, "need_bytes": 0}, "drop need_bytes"),
+])
+def test_a_bad_allocating_start_fails_at_the_call_saying_what_to_write(kwargs, match):
+    session = RolloutSession(OffloadPolicy(backend="noop"))
+    with pytest.raises(OptionError, match=match):
+        session.start("generate", **kwargs)
+    assert not session.active
+
+
+def test_what_a_begin_lacks_is_this_ranks_part_of_the_free_memory_less_the_margin():
+    from amem_callbacks.session import lacking_bytes
+
+    assert lacking_bytes(100, None) is None
+    assert lacking_bytes(100, 1000, margin=0) == 0
+    assert lacking_bytes(100, 1000, shared_by=2, margin=450) == 50  # 500 each, 550 needed
+    assert lacking_bytes(0, 0, margin=10) == 10

@@ -633,7 +633,8 @@ def amem_record(callback, rec: Recorder) -> Optional[dict]:
             "kept": dict(callback.kept),
             "begins": [{"nccl_bytes": r.nccl_bytes, "device_freed_bytes": r.device_freed_bytes,
                         "device_shared_by": r.device_shared_by, "wall_s": r.wall_seconds,
-                        "seconds": r.total_seconds, "skipped": r.skipped, "groups": rows(r)}
+                        "seconds": r.total_seconds, "skipped": r.skipped,
+                        "waited_for_bytes": r.waited_for_bytes, "groups": rows(r)}
                        for r in rec.reports["begin"]],
             "ends": [{"wall_s": r.wall_seconds, "seconds": r.total_seconds, "groups": rows(r)}
                      for r in rec.reports["end"]],
