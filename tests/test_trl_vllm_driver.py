@@ -112,6 +112,39 @@ def test_edge_plan_gives_the_kv_target_and_the_slack():
     assert 120 * GIB - 2 * ballast >= 1 * GIB
 
 
+def test_edge_plan_reads_the_gpus_lowest_reading_of_either_phase_as_moving_with_the_share():
+    """Session I's probe (one H100, two ranks, share 0.3): the lowest reading while
+    training equalled the one while generating (the other rank was generating). The
+    old plan took it as training alone and gave 8.1 GiB of ballast a rank, which left
+    47-56 GB free at the edge share; both readings move with the share."""
+    probe = {"ranks_on_gpu": 2, "gpu_total_bytes": 85017493504,
+             "kv_cache_bytes": int(22.68 * GIB), "min_free_generating": 18459721728,
+             "min_free_training": 18459721728}
+    plan = drv.edge_plan(probe, kv_target_gib=1.0, slack_gib=0.5, probe_share=0.3)
+    assert plan["share"] == 0.0261
+    left = 18459721728 - 2 * (0.0261 - 0.3) * 85017493504 - 2 * plan["ballast_gib"] * GIB
+    assert 0.5 * GIB <= left < 0.6 * GIB and plan["ballast_gib"] > 30
+
+
+def test_calibration_moves_the_ballast_by_what_the_run_left_over_the_slack():
+    plan = {"share": 0.0261, "ballast_gib": 8.096, "ranks_on_gpu": 2}
+    got = drv.calibrated(plan, {"min_free_generating": 47 * GIB, "min_free_training": None}, 0.5)
+    assert got["ballast_gib"] == 31.346 and got["planned_ballast_gib"] == 8.096
+    assert drv.calibrated(plan, {"min_free_generating": 0}, 0.5)["ballast_gib"] == 7.846
+    assert drv.calibrated(dict(plan, ballast_gib=0.1), {"min_free_training": 0},
+                          2.0)["ballast_gib"] == 0.0  # never negative
+    with pytest.raises(ValueError, match="no free-memory reading"):
+        drv.calibrated(plan, {"min_free_generating": None}, 0.5)
+
+
+def test_a_failed_calibration_stops_the_plan_saying_what_to_change():
+    state = {"runs": {"probe": dict(PROBE, ok=True)}}
+    drv.plan_runs(state, plan_args())
+    state["runs"]["calibrate"] = {"ok": False, "failed": {"oom": "cuMem out of memory"}}
+    with pytest.raises(SystemExit, match="larger --slack-gib"):
+        drv.plan_runs(state, plan_args())
+
+
 def test_edge_plan_without_room_for_a_ballast_sets_the_share_by_the_slack():
     probe = dict(PROBE, min_free_generating=3 * GIB)
     plan = drv.edge_plan(probe, kv_target_gib=60.0, slack_gib=0.5, probe_share=0.3)
@@ -149,7 +182,17 @@ def test_the_plan_probes_then_runs_abba_pairs_then_the_raised_shares_without_fir
     state = {}
     assert [r["name"] for r in drv.plan_runs(state, plan_args())] == ["probe"]
     state["runs"] = {"probe": dict(PROBE, ok=True)}
+    todo = drv.plan_runs(state, plan_args())  # the plan's own run first, package off
+    assert [(r["name"], r["amem"]) for r in todo] == [("calibrate", False)]
+    planned = state["edge"]["ballast_gib"]
+    assert (todo[0]["share"], todo[0]["ballast_gib"]) == (state["edge"]["share"], planned)
+    # it left 2.5 GiB free at the GPU's fullest, not the 0.5 asked: 1 GiB more a rank
+    state["runs"]["calibrate"] = {"ok": True, "min_free_generating": int(2.5 * GIB),
+                                  "min_free_training": 9 * GIB}
     todo = drv.plan_runs(state, plan_args())
+    assert state["edge"]["ballast_gib"] == int((planned + 1.0) * 1000) / 1000
+    assert state["edge"]["planned_ballast_gib"] == planned
+    assert state["edge"]["calibration_min_free_gib"] == 2.5
     assert [r["name"] for r in todo] == ["default-amem-0", "default-base-0", "default-base-1",
                                          "default-amem-1"]
     assert len({r["share"] for r in todo}) == 1 and state["edge"]["share"] == todo[0]["share"]

@@ -887,39 +887,61 @@ def merge_run(prefix: str, log_lines=(), meta: Optional[dict] = None) -> dict:
     return run
 
 
-def edge_plan(probe: dict, kv_target_gib: float, slack_gib: float, train_slack_gib: float = 1.0,
+def edge_plan(probe: dict, kv_target_gib: float, slack_gib: float,
               probe_share: float = TRL_DEFAULT_SHARE) -> dict:
     """From a probe run without the package (share ``probe_share``, no ballast): the
     share and the per-rank ballast that give vLLM a KV cache of ``kv_target_gib`` and
-    leave ``slack_gib`` of the GPU free while generating (``train_slack_gib`` while
-    training), as a share tuned to the edge of what fits without the package.
+    leave ``slack_gib`` of the GPU free at its fullest, as a share tuned to the edge
+    of what fits without the package.
 
     vLLM's cache is share x total less what the engine uses besides it, so it moves by
     (share - probe_share) x total per rank; every rank on the GPU takes that and its
-    ballast from the GPU's free memory. When the ballast would be negative the share
-    is what the slack allows (the cache is then larger than asked)."""
+    ballast from the GPU's free memory. The readings are GPU-wide and the ranks do not
+    change phase together: a rank's lowest reading "while training" came while the
+    other one generated (session I, one H100: 18.46 GB in both). So the GPU's lowest
+    reading of either phase moves with the share, and training alone (vLLM asleep)
+    is left to the calibration run (:func:`calibrated`). When the ballast would be
+    negative the share is what the slack allows (the cache is then larger than asked)."""
     n = probe.get("ranks_on_gpu") or 1
     total, kv = probe.get("gpu_total_bytes"), probe.get("kv_cache_bytes")
     gen, train = probe.get("min_free_generating"), probe.get("min_free_training")
-    if not all(isinstance(x, (int, float)) for x in (total, kv, gen, train)):
+    if not all(isinstance(x, (int, float)) for x in (total, kv, gen)):
         raise ValueError(f"the probe lacks a figure edge_plan needs: total {total}, KV {kv}, "
                          f"free while generating {gen}, while training {train} (did it run "
                          "two generations?)")
+    low = min(x for x in (gen, train) if isinstance(x, (int, float)))
     share = probe_share + (kv_target_gib * GIB - kv) / total
-    ballast = min((gen - n * (share - probe_share) * total - slack_gib * GIB) / n,
-                  (train - train_slack_gib * GIB) / n)
+    ballast = (low - n * (share - probe_share) * total - slack_gib * GIB) / n
     why = "the KV target"
     if ballast < 0:
         ballast = 0.0
-        share = probe_share + (gen - slack_gib * GIB) / (n * total)
+        share = probe_share + (low - slack_gib * GIB) / (n * total)
         why = "the slack (no ballast): the KV cache is larger than the target"
     share = int(share * 10**4) / 10**4  # down: vLLM takes any float; the edge must fit
     if share <= 0:
-        raise ValueError(f"no share fits: the probe left {gen / GIB:.2f} GiB free while "
-                         f"generating on {n} ranks; lower --slack-gib or --kv-target-gib")
+        raise ValueError(f"no share fits: the probe left {low / GIB:.2f} GiB free at its "
+                         f"fullest on {n} ranks; lower --slack-gib or --kv-target-gib")
     return {"share": share, "ballast_gib": round(ballast / GIB, 3), "set_by": why,
             "expected_kv_gib": round((kv + (share - probe_share) * total) / GIB, 3),
             "ranks_on_gpu": n, "probe_share": probe_share}
+
+
+def calibrated(plan: dict, calibration: dict, slack_gib: float) -> dict:
+    """The plan once a run at its share and ballast (package off) has measured the
+    GPU's lowest free memory: the ballast moves by what that reading is off the slack
+    (shared among the ranks), so the default share sits at the edge however the probe's
+    arithmetic missed (vLLM's profile of a smaller engine, training alone)."""
+    low = min((x for x in (calibration.get("min_free_generating"),
+                           calibration.get("min_free_training"))
+               if isinstance(x, (int, float))), default=None)
+    if low is None:
+        raise ValueError("the calibration run has no free-memory reading (did it run two "
+                         "generations?)")
+    n = plan.get("ranks_on_gpu") or 1
+    ballast = max(0.0, plan["ballast_gib"] + (low / GIB - slack_gib) / n)
+    return dict(plan, ballast_gib=int(ballast * 1000) / 1000,
+                planned_ballast_gib=plan["ballast_gib"],
+                calibration_min_free_gib=round(low / GIB, 3))
 
 
 def raised_shares(default_amem: dict, share: float) -> dict:
@@ -958,6 +980,16 @@ def plan_runs(state: dict, args) -> list:
         plan = state.get("edge") or edge_plan(runs["probe"], args.kv_target_gib, args.slack_gib,
                                               probe_share=args.probe_share)
         state["edge"] = plan
+        if "calibrate" not in runs:  # the plan's own run, package off, before any pair
+            return [{"name": "calibrate", "share": plan["share"], "amem": False,
+                     "ballast_gib": plan["ballast_gib"], "variant": "calibrate"}]
+        if "calibration_min_free_gib" not in plan:
+            if not runs["calibrate"].get("ok"):
+                raise SystemExit("the calibration run failed at share "
+                                 f"{plan['share']} with {plan['ballast_gib']} GiB of ballast a "
+                                 f"rank: {runs['calibrate'].get('failed')}; run the same command "
+                                 "with a larger --slack-gib (the state keeps the probe)")
+            plan = state["edge"] = calibrated(plan, runs["calibrate"], args.slack_gib)
         default, ballast = plan["share"], plan["ballast_gib"]
     state["shares"] = dict(state.get("shares") or {}, default=default)
     for i in range(args.pairs):
