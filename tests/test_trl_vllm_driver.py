@@ -202,9 +202,9 @@ def test_the_plan_probes_then_runs_abba_pairs_then_the_raised_shares_without_fir
                                        "gpu_total_bytes": 140 * GIB, "nccl_bytes": int(1.15 * GIB)}
     todo = drv.plan_runs(state, plan_args())
     names = [r["name"] for r in todo]
-    assert names == ["default-base-0", "default-base-1", "default-amem-1",
-                     "raised_headroom-base-0", "raised_headroom-amem-0",
-                     "raised_per_rank-base-0", "raised_per_rank-amem-0"]
+    assert names == ["default-base-0", "raised_headroom-base-0", "raised_headroom-amem-0",
+                     "raised_per_rank-base-0", "raised_per_rank-amem-0",
+                     "default-base-1", "default-amem-1"]
     assert state["shares"] == {"default": default, "raised_headroom": 0.04,
                                "raised_per_rank": drv.raised_shares(
                                    state["runs"]["default-amem-0"], default)["per_rank"]}

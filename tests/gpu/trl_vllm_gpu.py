@@ -967,7 +967,8 @@ def pair_order(index: int) -> tuple:
 
 def plan_runs(state: dict, args) -> list:
     """The runs still to make, in order, from what ``state`` holds: the probe, the
-    default pairs, then (once the package ran at the default share) the raised pairs.
+    calibration, the first default pair, the raised pairs (once the package ran at
+    the default share), then the other default pairs.
     Each: {name, share, amem, ballast_gib, variant}."""
     runs = state.setdefault("runs", {})
     todo = []
@@ -992,10 +993,13 @@ def plan_runs(state: dict, args) -> list:
             plan = state["edge"] = calibrated(plan, runs["calibrate"], args.slack_gib)
         default, ballast = plan["share"], plan["ballast_gib"]
     state["shares"] = dict(state.get("shares") or {}, default=default)
-    for i in range(args.pairs):
-        for amem in pair_order(i):
-            todo.append({"name": f"default-{'amem' if amem else 'base'}-{i}", "share": default,
-                         "amem": amem, "ballast_gib": ballast, "variant": "default"})
+    defaults = [{"name": f"default-{'amem' if amem else 'base'}-{i}", "share": default,
+                 "amem": amem, "ballast_gib": ballast, "variant": "default"}
+                for i in range(args.pairs) for amem in pair_order(i)]
+    # the first default pair, then the raised shares (the issue's key: whether they
+    # fail without the package), then the other default pairs: a session whose device
+    # time runs out still has one pair at each share
+    todo.extend(defaults[:2])
     first_amem = runs.get("default-amem-0")
     if first_amem and first_amem.get("ok"):
         raised = raised_shares(first_amem, default)
@@ -1011,6 +1015,7 @@ def plan_runs(state: dict, args) -> list:
                     todo.append({"name": f"raised_{variant}-{'amem' if amem else 'base'}-{i}",
                                  "share": share, "amem": amem, "ballast_gib": ballast,
                                  "variant": f"raised_{variant}"})
+    todo.extend(defaults[2:])
     return [r for r in todo if r["name"] not in runs]
 
 
