@@ -329,6 +329,14 @@ def test_the_orchestrator_runs_the_pair_in_order_and_writes_the_summary(cpu_runs
     assert list(runs) == ["default-amem-0", "default-base-0"]  # ABBA's first pair: A first
     assert all(r["ok"] for r in runs.values()), {n: r.get("failed") for n, r in runs.items()}
     assert summary["runs_done"] == ["default-amem-0", "default-base-0"]
+    import tarfile  # every run's log and rank JSON, not the model folders
+
+    with tarfile.open(os.path.join(cpu_runs["out"], "logs.tgz")) as tar:
+        assert sorted(tar.getnames()) == [f"{run}/{leaf}" for run in ("default-amem-0",
+                                          "default-base-0") for leaf in (
+                                          "log.txt", "rank.rank0.json", "rank.rank1.json")]
+    assert sorted(os.listdir(cpu_runs["out"])) == ["logs.tgz", "runs.json", "state.json",
+                                                   "summary.json"]
     assert summary["runs_planned_next"] == []
     # on CPU the package knows no GPU total, so there is no raised share to try
     assert summary["shares"] == {"default": 0.25, "raised_headroom": None, "raised_per_rank": None}
@@ -488,6 +496,11 @@ def test_a_failed_probe_stops_the_orchestrator_with_its_error_and_comes_back_for
     assert "stopping: the probe failed" in printed and "No module named 'flashinfer'" in printed
     runs = json.load(open(os.path.join(out, "runs.json")))
     assert not runs["probe"]["ok"]
+    import tarfile  # the failed run's log and rank files come back in one archive
+
+    with tarfile.open(os.path.join(out, "logs.tgz")) as tar:
+        assert sorted(tar.getnames()) == ["probe/log.txt", "probe/rank.rank0.json",
+                                          "probe/rank.rank1.json"]
     assert runs["probe"]["failed"]["errors"]["0"].startswith("ModuleNotFoundError")
     assert "probe" not in json.load(open(os.path.join(state, "state.json")))["runs"]
     assert drv.main(argv) == 1  # the same command: the probe again, not edge_plan's error

@@ -1210,6 +1210,25 @@ def write_outputs(state: dict, state_path: str, out: Optional[str]) -> None:
             json.dump(dict(summarise(state), **provenance(DRIVER)), f, indent=1, default=str)
         with open(os.path.join(out, "runs.json"), "w") as f:
             json.dump(state.get("runs", {}), f, indent=1, default=str)
+        shutil.copyfile(state_path, os.path.join(out, "state.json"))
+        pack_logs(os.path.join(os.path.dirname(state_path), "runs"),
+                  os.path.join(out, "logs.tgz"))
+
+
+def pack_logs(runs: str, target: str) -> None:
+    """Every run's log and rank JSON (not its model folder) in one archive: a device
+    call brings back at most 8 files (session I lost two rank files to that)."""
+    import tarfile
+
+    if not os.path.isdir(runs):
+        return
+    with tarfile.open(target + ".tmp", "w:gz") as tar:
+        for name in sorted(os.listdir(runs)):
+            folder = os.path.join(runs, name)
+            for leaf in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
+                if leaf == "log.txt" or re.fullmatch(r"rank\.rank\d+\.json", leaf):
+                    tar.add(os.path.join(folder, leaf), arcname=f"{name}/{leaf}")
+    os.replace(target + ".tmp", target)
 
 
 # --- the command line --------------------------------------------------------------------------
