@@ -505,3 +505,21 @@ def test_a_failed_probe_stops_the_orchestrator_with_its_error_and_comes_back_for
     assert "probe" not in json.load(open(os.path.join(state, "state.json")))["runs"]
     assert drv.main(argv) == 1  # the same command: the probe again, not edge_plan's error
     assert "run probe:" in capsys.readouterr().out
+
+
+def test_an_earlier_probe_stands_in_only_on_the_same_gpu_and_versions(tmp_path):
+    now = {"torch": "2.13.0", "vllm": "0.31.0", "trl": "1.16.0"}
+    earlier = tmp_path / "state.json"
+    earlier.write_text(json.dumps({"estimate_s": 201.0, "runs": {"probe": dict(
+        PROBE, ok=True, versions=dict(now, transformers="5.17.0"))}}))
+    state = {}
+    assert "stands for this one" in drv.seed_probe(state, str(earlier), 140 * GIB, now)
+    assert state["runs"]["probe"]["probe_from"] == str(earlier)
+    assert state["estimate_s"] == 201.0
+    assert drv.plan_runs(state, plan_args())[0]["name"] == "calibrate"  # no probe run
+    for total, versions in ((80 * GIB, now), (140 * GIB, dict(now, vllm="0.30.0")),
+                            (None, now)):
+        state = {}
+        assert "probing" in drv.seed_probe(state, str(earlier), total, versions)
+        assert state == {}
+    assert "not read" in drv.seed_probe({}, str(tmp_path / "none.json"), 140 * GIB, now)

@@ -1142,6 +1142,36 @@ def wait_run(proc, folder: str, timeout_s: float, grace_s: float = 45) -> tuple:
     return proc.returncode, False
 
 
+def gpu_total_now() -> Optional[int]:
+    """This machine's GPU total (None without CUDA): a probe of another card is no use."""
+    import torch
+
+    return torch.cuda.mem_get_info()[1] if torch.cuda.is_available() else None
+
+
+def seed_probe(state: dict, path: str, total: Optional[int], now: dict) -> str:
+    """Take the probe (and the run-time estimate) of an earlier call's state.json where
+    it ran on a GPU of the same total memory with the same torch, vLLM and trl: a
+    probe is a run of about 135 s, and the calibration run corrects the plan anyway.
+    Says what it did."""
+    try:
+        earlier = json.load(open(path))
+    except (OSError, ValueError) as exc:
+        return f"--probe-from {path}: not read ({exc}); probing"
+    probe = (earlier.get("runs") or {}).get("probe")
+    if not probe or not probe.get("ok"):
+        return f"--probe-from {path}: no successful probe there; probing"
+    differs = [k for k in ("torch", "vllm", "trl")
+               if (probe.get("versions") or {}).get(k) != now.get(k)]
+    if total is None or probe.get("gpu_total_bytes") != total or differs:
+        return (f"--probe-from {path}: its GPU ({probe.get('gpu_total_bytes')} bytes) or "
+                f"versions ({differs}) differ from this one ({total} bytes); probing")
+    state.setdefault("runs", {})["probe"] = dict(probe, probe_from=path)
+    if earlier.get("estimate_s"):
+        state.setdefault("estimate_s", earlier["estimate_s"])
+    return f"--probe-from {path}: its probe stands for this one (same GPU and versions)"
+
+
 def orchestrate(args) -> int:
     """Make the runs ``plan_runs`` lists, one at a time, until none is left or the next
     one would not end inside ``--budget-s``; the state (and so the next call's start) is
@@ -1151,6 +1181,8 @@ def orchestrate(args) -> int:
     os.makedirs(args.state, exist_ok=True)
     state_path = os.path.join(args.state, "state.json")
     state = json.load(open(state_path)) if os.path.isfile(state_path) else {}
+    if args.probe_from and "probe" not in state.get("runs", {}):
+        print(seed_probe(state, args.probe_from, gpu_total_now(), versions()), flush=True)
     env = vllm_bundle.environment()
     began = time.monotonic()
     while True:
@@ -1272,6 +1304,8 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--share", type=float, help="the default share (skips the probe)")
     p.add_argument("--ballast-gib", type=float, default=0.0, help="with --share")
     p.add_argument("--probe-share", type=float, default=TRL_DEFAULT_SHARE)
+    p.add_argument("--probe-from", help="an earlier call's state.json: its probe stands in "
+                   "where the GPU and versions are the same (saves a run)")
     p.add_argument("--kv-target-gib", type=float, default=1.0)
     p.add_argument("--slack-gib", type=float, default=0.5,
                    help="free GPU memory left while generating at the default share")
