@@ -166,7 +166,11 @@ class AMemCallback(TrainerCallback, SessionViews):
         if not memory_needed_now:
             self.session.start(where, need_bytes=0)
         elif allocating_bytes is not None:
-            self._headroom_from = self.session.start(where, allocating_bytes=allocating_bytes)
+            report = self.session.start(where, allocating_bytes=allocating_bytes)
+            if report is not None and report.skipped:  # every rank agreed nothing lacks:
+                self._phase_done = True  # no begin in this generation (nor an end)
+            else:
+                self._headroom_from = report
         else:
             self._headroom_from = self.session.start(where, need_bytes=None)
 

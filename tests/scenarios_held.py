@@ -157,3 +157,28 @@ def allocating(args):
     out.update(counts=_counts(fake), after=fake.suspended(),
                exact=all(allreduce_ok(g, 2.0) for g in groups.values()))
     return out
+
+
+def allocating_twice(args):
+    """Two phases told what comes next: the first always begins; the second is skipped
+    on every rank when no rank lacks memory (``args["second"]``: each rank's free
+    memory then, None unknown), else every rank begins."""
+    import amem_callbacks.session as session_module
+
+    groups, fake = fake_groups(peers=True)
+    session = RolloutSession(_policy(fake))
+    frees = [64 * 2**30, args["second"][dist.get_rank()]]
+    session_module.device_free_bytes = lambda device=None: frees[0]
+    first = session.start("KV wake-up", allocating_bytes=100 * 2**20)
+    session.stop("KV wake-up")
+    session.policy.wait()
+    frees.pop(0)
+    second = session.start("KV wake-up", allocating_bytes=100 * 2**20)
+    out = {"first_skipped": first.skipped, "second_skipped": second.skipped,
+           "second_waited": second.waited_for_bytes, "active": session.active}
+    out["stop"] = session.stop("KV wake-up") is not None
+    session.policy.wait()
+    out.update(counts=_counts(fake), after=fake.suspended(),
+               not_needed=session.metrics()["amem/total/begins_not_needed"],
+               exact=all(allreduce_ok(g, 2.0) for g in groups.values()))
+    return out

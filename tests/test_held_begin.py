@@ -138,3 +138,25 @@ def test_what_a_begin_lacks_is_this_ranks_part_of_the_free_memory_less_the_margi
     assert lacking_bytes(100, 1000, margin=0) == 0
     assert lacking_bytes(100, 1000, shared_by=2, margin=450) == 50  # 500 each, 550 needed
     assert lacking_bytes(0, 0, margin=10) == 10
+
+
+@pytest.mark.parametrize("second", [[64 * 2**30, 64 * 2**30], [64 * 2**30, 0],
+                                    [None, 64 * 2**30]])
+def test_a_begin_no_rank_needs_is_skipped_by_every_rank_and_one_any_rank_needs_runs_on_all(
+        second):
+    """After the first begin, a phase whose next allocation fits on every rank
+    suspends nothing (its resume would cost the next step for nothing); one rank
+    lacking, or not knowing, makes every rank begin: the same decision everywhere."""
+    skip = all(f is not None and f > 2**30 for f in second)
+    for res in results("allocating_twice", second=second):
+        assert res["first_skipped"] is None  # the first always runs
+        assert res["exact"] and not any(res["after"].values())
+        if skip:
+            assert res["second_skipped"].startswith("not needed") and not res["active"]
+            assert res["second_waited"] == 0 and not res["stop"]
+            assert res["counts"] == {"dp": [1, 1], "ep": [1, 1], "tp": [0, 0], "world": [1, 1]}
+            assert res["not_needed"] == 1
+        else:
+            assert res["second_skipped"] is None and res["stop"]
+            assert res["counts"] == {"dp": [2, 2], "ep": [2, 2], "tp": [0, 0], "world": [2, 2]}
+            assert res["not_needed"] == 0
