@@ -31,7 +31,7 @@ Example (a new framework)::
             session.stop("generate", guarded_until_settle=True)
 
 The session is the policy's one friend: it alone reads the policy's internal
-state (``_phase``, ``_setup``, ``_backend``, ``_agreement``) and its memory wait
+state (``_phase``, ``_setup``, ``_backend``, ``_agreement``, ``_placement``) and its memory wait
 (``_wait_for_bytes``), so that the store rounds and the adapters' waiting live
 here and the policy's public surface stays its verbs and read-only views.
 """
@@ -120,7 +120,7 @@ class SessionViews:
         out = session._policy.metrics(prefix)
         for name, seconds in session.waited.items():
             out[f"{prefix}total/caller_wait_{name}_seconds"] = seconds
-        out[f"{prefix}total/begins_not_needed"] = session.skipped_begins
+        out[f"{prefix}total/begins_not_needed"] = session._skipped_begins
         if session._headroom is not None:
             out.update(session._headroom.as_dict(prefix))
         return out
@@ -163,7 +163,7 @@ class RolloutSession(SessionViews):
         self.phase = phase
         self.history: collections.deque = collections.deque(maxlen=history)
         self.waited = {"start": 0.0, "stop": 0.0, "memory": 0.0}  # caller seconds, cumulative
-        self.skipped_begins = 0  # begins every rank skipped: nothing lacked (start())
+        self._skipped_begins = 0  # begins every rank skipped: nothing lacked (start())
         self._headroom = None  # see tell_headroom
         self._lock = threading.RLock()
 
@@ -243,7 +243,7 @@ class RolloutSession(SessionViews):
                                          "unknown" if mine is None else str(mine))
         if late or not seen or any(v == "unknown" or int(v) > 0 for v in seen.values()):
             return None
-        self.skipped_begins += 1
+        self._skipped_begins += 1
         logger.debug("amem_callbacks: rollout begin at %s skipped: every rank's next "
                      "allocation fits in its free memory", where)
         return TransitionReport(phase=self.phase, kind=Kind.BEGIN,

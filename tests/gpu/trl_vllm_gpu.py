@@ -644,7 +644,8 @@ def amem_record(callback, rec: Recorder) -> Optional[dict]:
                 "total_bytes": headroom.total_bytes, "margin_bytes": headroom.margin_bytes,
                 "line": headroom.line()},
             "waited": dict(callback.session.waited),
-            "begins_not_needed": callback.session.skipped_begins,
+            "begins_not_needed": callback.session.metrics().get(
+                "amem/total/begins_not_needed"),
             "counters": callback.policy.metrics(last=False)}
 
 
