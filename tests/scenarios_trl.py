@@ -376,12 +376,16 @@ def colocate_allocating(args):
     """Colocate runs whose begin before the KV wake-up is told what vLLM maps next
     (its allocator, faked) and the free memory (faked: CPU has none to read):
     ``free`` 64 GiB fits, 0 lacks, None is unknown."""
+    import amem_callbacks.adapters.trl as trl_adapter
     import amem_callbacks.session as session_module
 
     fake = scenario_prelude(args)
     baseline = train(configure=configure_colocate, max_steps=2)
     fake_cumem()
     session_module.device_free_bytes = lambda device=None: args["free"]
+    # no GPU total, on a GPU host too: what comes is then the faked KV cache alone (the
+    # share x total path: tests/test_vllm_memory.py)
+    trl_adapter.gpu_total_bytes = lambda device=None: None
     options = {"backend": "fake", "agree_timeout_s": 20, "overlap": True}
     run = train(options, configure=configure_colocate, fake=fake, max_steps=2)
     del sys.modules["vllm.device_allocator.cumem"]

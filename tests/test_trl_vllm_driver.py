@@ -505,6 +505,12 @@ def test_a_failed_probe_stops_the_orchestrator_with_its_error_and_comes_back_for
     assert "probe" not in json.load(open(os.path.join(state, "state.json")))["runs"]
     assert drv.main(argv) == 1  # the same command: the probe again, not edge_plan's error
     assert "run probe:" in capsys.readouterr().out
+    # an earlier probe on another GPU (here: none, on CPU) does not stand in
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"runs": {"probe": dict(PROBE, ok=True, versions={})}}))
+    assert drv.main(argv + ["--probe-from", str(earlier)]) == 1
+    printed = capsys.readouterr().out
+    assert "--probe-from" in printed and "probing" in printed and "run probe:" in printed
 
 
 def test_an_earlier_probe_stands_in_only_on_the_same_gpu_and_versions(tmp_path):
