@@ -1221,10 +1221,10 @@ def orchestrate(args) -> int:
               f"{run['tokens_per_s'] and round(run['tokens_per_s'])} tokens/s"
               + ("" if run["ok"] else "; " + (run["failed"]["oom"] or "; ".join(
                   sorted(set(run["failed"]["errors"].values()))) or f"rc {rc}")), flush=True)
-        write_outputs(state, state_path, args.out)  # a failure's log comes back too
         if spec["variant"] == "probe" and not run["ok"]:
-            # every later run is sized from the probe: stop here, and let the same
-            # command run it again once the cause is mended
+            # every later run is sized from the probe: stop here (its log comes back),
+            # and let the same command run it again once the cause is mended
+            write_outputs(state, state_path, args.out)
             del state["runs"]["probe"]
             write_outputs(state, state_path, None)
             print("stopping: the probe failed, so nothing can be sized from it:\n"
