@@ -131,18 +131,45 @@ def test_calibration_moves_the_ballast_by_what_the_run_left_over_the_slack():
     got = drv.calibrated(plan, {"min_free_generating": 47 * GIB, "min_free_training": None}, 0.5)
     assert got["ballast_gib"] == 31.346 and got["planned_ballast_gib"] == 8.096
     assert drv.calibrated(plan, {"min_free_generating": 0}, 0.5)["ballast_gib"] == 7.846
+    # the run's own ballast is the basis (it ran with room to spare)
+    assert drv.calibrated(plan, {"min_free_generating": int(2.5 * GIB), "ballast_gib": 7.096},
+                          0.5)["ballast_gib"] == 8.096
     assert drv.calibrated(dict(plan, ballast_gib=0.1), {"min_free_training": 0},
                           2.0)["ballast_gib"] == 0.0  # never negative
     with pytest.raises(ValueError, match="no free-memory reading"):
         drv.calibrated(plan, {"min_free_generating": None}, 0.5)
 
 
-def test_a_failed_calibration_stops_the_plan_saying_what_to_change():
+def test_a_calibration_out_of_memory_runs_again_with_twice_the_room_then_stops():
     state = {"runs": {"probe": dict(PROBE, ok=True)}}
-    drv.plan_runs(state, plan_args())
-    state["runs"]["calibrate"] = {"ok": False, "failed": {"oom": "cuMem out of memory"}}
+    first = drv.plan_runs(state, plan_args())[0]
+    planned = state["edge"]["ballast_gib"]
+    # 2 GiB more of the GPU left free, shared by its 2 ranks
+    assert first["ballast_gib"] == int((planned - 1.0) * 1000) / 1000
+    oom = {"kind": "torch", "line": "CUDA out of memory. Tried to allocate 2.00 MiB"}
+    state["runs"]["calibrate"] = dict(first, ok=False, failed={"oom": oom})
+    again = drv.plan_runs(state, plan_args())[0]
+    assert again["name"] == "calibrate" and again["ballast_gib"] == int((planned - 2.0) * 1000) / 1000
+    assert [r["ballast_gib"] for r in state["failed_calibrations"]] == [first["ballast_gib"]]
+    state["runs"]["calibrate"] = dict(again, ok=False, failed={"oom": oom})
+    third = drv.plan_runs(state, plan_args())[0]
+    assert third["ballast_gib"] == int((planned - 4.0) * 1000) / 1000
+    state["runs"]["calibrate"] = dict(third, ok=False, failed={"oom": oom})
     with pytest.raises(SystemExit, match="larger --slack-gib"):
         drv.plan_runs(state, plan_args())
+    # a failure that is not out of memory is not a matter of room: it stops at once
+    state = {"runs": {"probe": dict(PROBE, ok=True)}}
+    drv.plan_runs(state, plan_args())
+    state["runs"]["calibrate"] = {"ok": False, "ballast_gib": 1.0, "failed": {"oom": None}}
+    with pytest.raises(SystemExit, match="larger --slack-gib"):
+        drv.plan_runs(state, plan_args())
+
+
+def test_a_failed_run_reads_as_its_out_of_memory_line_else_its_errors():
+    assert drv.failure_text({"oom": {"kind": "torch", "line": "CUDA out of memory"}}, 1) \
+        == "torch: CUDA out of memory"
+    assert drv.failure_text({"oom": None, "errors": {0: "RuntimeError: x"}}, 1) == "RuntimeError: x"
+    assert drv.failure_text(None, -9) == "rc -9"
 
 
 def test_edge_plan_without_room_for_a_ballast_sets_the_share_by_the_slack():
@@ -185,14 +212,17 @@ def test_the_plan_probes_then_runs_abba_pairs_then_the_raised_shares_without_fir
     todo = drv.plan_runs(state, plan_args())  # the plan's own run first, package off
     assert [(r["name"], r["amem"]) for r in todo] == [("calibrate", False)]
     planned = state["edge"]["ballast_gib"]
-    assert (todo[0]["share"], todo[0]["ballast_gib"]) == (state["edge"]["share"], planned)
-    # it left 2.5 GiB free at the GPU's fullest, not the 0.5 asked: 1 GiB more a rank
-    state["runs"]["calibrate"] = {"ok": True, "min_free_generating": int(2.5 * GIB),
-                                  "min_free_training": 9 * GIB}
+    # the calibration leaves 2 GiB more room than the plan (1 GiB a rank)
+    assert (todo[0]["share"], todo[0]["ballast_gib"]) == (state["edge"]["share"],
+                                                          int((planned - 1.0) * 1000) / 1000)
+    # at the plan's ballast it would have left 2.5 GiB free at the GPU's fullest, not
+    # the 0.5 asked: 1 GiB more a rank than planned
+    state["runs"]["calibrate"] = {"ok": True, "min_free_generating": int(4.5 * GIB),
+                                  "min_free_training": 9 * GIB, "ballast_gib": planned - 1.0}
     todo = drv.plan_runs(state, plan_args())
     assert state["edge"]["ballast_gib"] == int((planned + 1.0) * 1000) / 1000
     assert state["edge"]["planned_ballast_gib"] == planned
-    assert state["edge"]["calibration_min_free_gib"] == 2.5
+    assert state["edge"]["calibration_min_free_gib"] == 4.5
     assert [r["name"] for r in todo] == ["default-amem-0", "default-base-0", "default-base-1",
                                          "default-amem-1"]
     assert len({r["share"] for r in todo}) == 1 and state["edge"]["share"] == todo[0]["share"]

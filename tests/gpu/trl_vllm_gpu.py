@@ -820,6 +820,15 @@ def run_rank(args) -> int:
 
 
 # --- merging a run's ranks, and the orchestrator ---------------------------------------------
+def failure_text(failed: Optional[dict], rc) -> str:
+    """One line for a failed run: its out-of-memory line, else its ranks' errors."""
+    failed = failed or {}
+    oom = failed.get("oom")
+    if oom:
+        return f"{oom.get('kind')}: {oom.get('line')}" if isinstance(oom, dict) else str(oom)
+    return "; ".join(sorted(set((failed.get("errors") or {}).values()))) or f"rc {rc}"
+
+
 def merge_run(prefix: str, log_lines=(), meta: Optional[dict] = None) -> dict:
     """One run from its ranks' JSON (``prefix.rankN.json``) and its log: KV cache
     (the smallest rank's, as vLLM's external launcher takes the minimum), generation
@@ -928,9 +937,23 @@ def edge_plan(probe: dict, kv_target_gib: float, slack_gib: float,
             "ranks_on_gpu": n, "probe_share": probe_share}
 
 
+#: the calibration run leaves this much more of the GPU free than the plan (GiB, all
+#: ranks together), twice as much again after each try that ran out of memory: the
+#: probe's 20 ms readings miss short peaks (session J, one H100: the plan's own ballast,
+#: 0.5 GiB of slack, ran out of memory in the first generation)
+CALIBRATION_ROOM_GIB = 2.0
+CALIBRATION_TRIES = 3
+
+
+def calibration_ballast(plan: dict, tries_failed: int) -> float:
+    """The calibration run's ballast a rank: the plan's, less its share of the room."""
+    room = CALIBRATION_ROOM_GIB * 2 ** tries_failed / (plan.get("ranks_on_gpu") or 1)
+    return max(0.0, int((plan["ballast_gib"] - room) * 1000) / 1000)
+
+
 def calibrated(plan: dict, calibration: dict, slack_gib: float) -> dict:
-    """The plan once a run at its share and ballast (package off) has measured the
-    GPU's lowest free memory: the ballast moves by what that reading is off the slack
+    """The plan once a run at its share (package off) has measured the GPU's lowest
+    free memory: the ballast is that run's, moved by what the reading is off the slack
     (shared among the ranks), so the default share sits at the edge however the probe's
     arithmetic missed (vLLM's profile of a smaller engine, training alone)."""
     low = min((x for x in (calibration.get("min_free_generating"),
@@ -940,7 +963,8 @@ def calibrated(plan: dict, calibration: dict, slack_gib: float) -> dict:
         raise ValueError("the calibration run has no free-memory reading (did it run two "
                          "generations?)")
     n = plan.get("ranks_on_gpu") or 1
-    ballast = max(0.0, plan["ballast_gib"] + (low / GIB - slack_gib) / n)
+    ran_with = calibration.get("ballast_gib", plan["ballast_gib"])
+    ballast = max(0.0, ran_with + (low / GIB - slack_gib) / n)
     return dict(plan, ballast_gib=int(ballast * 1000) / 1000,
                 planned_ballast_gib=plan["ballast_gib"],
                 calibration_min_free_gib=round(low / GIB, 3))
@@ -983,15 +1007,21 @@ def plan_runs(state: dict, args) -> list:
         plan = state.get("edge") or edge_plan(runs["probe"], args.kv_target_gib, args.slack_gib,
                                               probe_share=args.probe_share)
         state["edge"] = plan
+        failed = state.setdefault("failed_calibrations", [])
+        if "calibration_min_free_gib" not in plan and "calibrate" in runs \
+                and not runs["calibrate"].get("ok"):
+            if not (runs["calibrate"].get("failed") or {}).get("oom") \
+                    or len(failed) + 1 >= CALIBRATION_TRIES:
+                raise SystemExit("the calibration run failed at share "
+                                 f"{plan['share']} with {runs['calibrate']['ballast_gib']} GiB of "
+                                 f"ballast a rank: {runs['calibrate'].get('failed')}; run the "
+                                 "same command with a larger --slack-gib (the state keeps the probe)")
+            failed.append(runs.pop("calibrate"))  # out of memory: again with more room
         if "calibrate" not in runs:  # the plan's own run, package off, before any pair
             return [{"name": "calibrate", "share": plan["share"], "amem": False,
-                     "ballast_gib": plan["ballast_gib"], "variant": "calibrate"}]
+                     "ballast_gib": calibration_ballast(plan, len(failed)),
+                     "variant": "calibrate"}]
         if "calibration_min_free_gib" not in plan:
-            if not runs["calibrate"].get("ok"):
-                raise SystemExit("the calibration run failed at share "
-                                 f"{plan['share']} with {plan['ballast_gib']} GiB of ballast a "
-                                 f"rank: {runs['calibrate'].get('failed')}; run the same command "
-                                 "with a larger --slack-gib (the state keeps the probe)")
             plan = state["edge"] = calibrated(plan, runs["calibrate"], args.slack_gib)
         default, ballast = plan["share"], plan["ballast_gib"]
     state["shares"] = dict(state.get("shares") or {}, default=default)
@@ -1219,8 +1249,7 @@ def orchestrate(args) -> int:
             state["estimate_s"] = max(state.get("estimate_s", 0), run["seconds"] * 1.15)
         print(f"  {'ok' if run['ok'] else 'FAILED'}: KV {run['kv_cache_tokens']} tokens, "
               f"{run['tokens_per_s'] and round(run['tokens_per_s'])} tokens/s"
-              + ("" if run["ok"] else "; " + (run["failed"]["oom"] or "; ".join(
-                  sorted(set(run["failed"]["errors"].values()))) or f"rc {rc}")), flush=True)
+              + ("" if run["ok"] else "; " + failure_text(run["failed"], rc)), flush=True)
         if spec["variant"] == "probe" and not run["ok"]:
             # every later run is sized from the probe: stop here (its log comes back),
             # and let the same command run it again once the cause is mended
@@ -1309,8 +1338,10 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--probe-from", help="an earlier call's state.json: its probe stands in "
                    "where the GPU and versions are the same (saves a run)")
     p.add_argument("--kv-target-gib", type=float, default=1.0)
-    p.add_argument("--slack-gib", type=float, default=0.5,
-                   help="free GPU memory left while generating at the default share")
+    p.add_argument("--slack-gib", type=float, default=1.5,
+                   help="free GPU memory (all ranks) the 20 ms readings leave at the default "
+                        "share; it must stay below what the raised share adds, and cover the "
+                        "peaks the readings miss (0.5 ran out of memory on one H100)")
     p.add_argument("--pairs", type=int, default=2)
     p.add_argument("--raised-pairs", type=int, default=1)
     p.add_argument("--run-timeout-s", type=float, default=420)
