@@ -243,6 +243,57 @@ def test_the_plan_probes_then_runs_abba_pairs_then_the_raised_shares_without_fir
     assert not [r for r in drv.plan_runs(state, plan_args()) if "headroom" in r["name"]]
 
 
+def test_the_plan_follows_the_headroom_line_while_the_share_before_still_fitted():
+    state = {"runs": {"probe": dict(PROBE, ok=True)}}
+    drv.plan_runs(state, plan_args())
+    state["runs"]["calibrate"] = {"ok": True, "min_free_generating": int(1.5 * GIB)}
+    drv.plan_runs(state, plan_args(raised_pairs=1, pairs=1))
+    amem = {"ok": True, "gpu_total_bytes": 80 * GIB, "nccl_bytes": int(1.125 * GIB)}
+    state["runs"].update({"default-amem-0": dict(amem, headroom_suggested=0.0339),
+                          "default-base-0": {"ok": True}})
+    names = lambda: [r["name"] for r in drv.plan_runs(state, plan_args(raised_pairs=1, pairs=1))]
+    assert names()[:2] == ["raised_headroom-base-0", "raised_headroom-amem-0"]
+    # both fitted: the package's run there recommends the next step
+    state["runs"]["raised_headroom-base-0"] = {"ok": True}
+    state["runs"]["raised_headroom-amem-0"] = dict(amem, headroom_suggested=0.0417)
+    assert names()[:2] == ["raised_headroom_2-base-0", "raised_headroom_2-amem-0"]
+    assert state["shares"]["raised_headroom_2"] == 0.0417
+    # the second step failed without the package: the edge is found, no third step
+    state["runs"]["raised_headroom_2-base-0"] = {"ok": False, "failed": {"oom": {"kind": "x"}}}
+    state["runs"]["raised_headroom_2-amem-0"] = dict(amem, headroom_suggested=0.05)
+    assert not [n for n in names() if n.startswith("raised_headroom_3")]
+    # at most HEADROOM_STEPS steps, however far the line goes on fitting
+    for step in range(2, drv.HEADROOM_STEPS + 2):
+        variant = f"raised_headroom_{step}"
+        state["runs"][f"{variant}-base-0"] = {"ok": True}
+        state["runs"][f"{variant}-amem-0"] = dict(amem, headroom_suggested=0.04 + step / 100)
+    assert not [n for n in names() if n.startswith(f"raised_headroom_{drv.HEADROOM_STEPS + 1}")]
+
+
+def test_the_verdict_is_the_first_headroom_step_that_did_not_fit_without_the_package():
+    oom = {"kind": "cuMem out of memory (sleep-mode wake-up)", "line": "CUDA Error: out of memory"}
+    state = {"shares": {"default": 0.0261, "raised_headroom": 0.0339, "raised_headroom_2": 0.0417},
+             "runs": {"default-base-0": run_row("default", False),
+                      "raised_headroom-base-0": run_row("raised_headroom", False),  # fitted
+                      "raised_headroom-amem-0": run_row("raised_headroom", True),
+                      "raised_headroom_2-base-0": run_row("raised_headroom_2", False, ok=False,
+                                                          failed={"oom": oom}),
+                      "raised_headroom_2-amem-0": run_row("raised_headroom_2", True)}}
+    got = drv.summarise(state)
+    assert got["raised_share_fails_without"] is True
+    assert got["raised_share"] == {"variant": "raised_headroom_2", "share": 0.0417,
+                                   "runs_with": True, "failure_lines": [oom]}
+    assert [(h["variant"], h["fails_without"]) for h in got["headroom_steps"]] == [
+        ("raised_headroom", False), ("raised_headroom_2", True)]
+    del state["runs"]["raised_headroom_2-base-0"], state["runs"]["raised_headroom_2-amem-0"]
+    got = drv.summarise(state)  # every step tried fitted without it
+    assert got["raised_share_fails_without"] is False
+    assert got["raised_share"]["variant"] == "raised_headroom"
+    assert drv.headroom_variants(["raised_headroom_10", "raised_headroom_2", "raised_headroom",
+                                  "raised_per_rank"]) == [
+        "raised_headroom", "raised_headroom_2", "raised_headroom_10"]
+
+
 def test_the_plan_with_a_given_share_skips_the_probe():
     todo = drv.plan_runs({}, plan_args(share=0.25, ballast_gib=3.0, pairs=1))
     assert [(r["name"], r["share"], r["ballast_gib"]) for r in todo] == [

@@ -32,7 +32,9 @@ for a larger training state) so that vLLM's cache is ``--kv-target-gib`` and the
 GPU has ``--slack-gib`` left while generating (``edge_plan``): a share at the edge
 of what fits without the package, as a user tunes it. Then interleaved pairs
 (ABBA) at that share, then pairs at the raised shares: the package's headroom
-line, and the per-rank figure (``raised_shares``: on a GPU that several ranks
+line, followed step by step as a user would (the package's run at a raised share
+that still fitted without it recommends the next one, ``HEADROOM_STEPS``), and the
+per-rank figure (``raised_shares``: on a GPU that several ranks
 share, the headroom line counts every rank's freed memory for each rank's
 engine). The summary (``summary.json``; key ``raised_share_fails_without``) goes
 to ``--out`` after every run.
@@ -985,6 +987,18 @@ def raised_shares(default_amem: dict, share: float) -> dict:
     return out
 
 
+#: how many times the raised share follows the package's headroom line from the run
+#: before while the share before still fitted without the package (session J, one
+#: H100: the first step, +0.66 GiB a rank, fitted in what the edge left; the second failed)
+HEADROOM_STEPS = 3
+
+
+def headroom_variants(variants) -> list:
+    """The headroom line's steps among ``variants``, in order."""
+    steps = [v for v in variants if v == "raised_headroom" or v.startswith("raised_headroom_")]
+    return sorted(steps, key=lambda v: int(v.rsplit("_", 1)[1]) if v[-1].isdigit() else 1)
+
+
 def pair_order(index: int) -> tuple:
     """ABBA: which of the pair runs first alternates, so neither always meets a
     fresh or a warm machine."""
@@ -1036,17 +1050,28 @@ def plan_runs(state: dict, args) -> list:
     if first_amem and first_amem.get("ok"):
         raised = raised_shares(first_amem, default)
         seen = {default}
-        for variant in ("headroom", "per_rank"):
-            share = raised[variant]
-            state["shares"][f"raised_{variant}"] = share
+
+        def raise_to(variant: str, share) -> None:
+            state["shares"][variant] = share
             if share is None or share in seen:
-                continue  # nothing to raise to, or the same run as another variant
+                return  # nothing to raise to, or the same run as another variant
             seen.add(share)
             for i in range(args.raised_pairs):
                 for amem in reversed(pair_order(i)):  # the run without the package first
-                    todo.append({"name": f"raised_{variant}-{'amem' if amem else 'base'}-{i}",
+                    todo.append({"name": f"{variant}-{'amem' if amem else 'base'}-{i}",
                                  "share": share, "amem": amem, "ballast_gib": ballast,
-                                 "variant": f"raised_{variant}"})
+                                 "variant": variant})
+
+        raise_to("raised_headroom", raised["headroom"])
+        # as a user follows the headroom line: where the raised share still fitted
+        # without the package, the package's run there recommends the next one
+        for step in range(2, HEADROOM_STEPS + 1):
+            previous = "raised_headroom" if step == 2 else f"raised_headroom_{step - 1}"
+            base, amem = runs.get(f"{previous}-base-0"), runs.get(f"{previous}-amem-0")
+            if not (base and base.get("ok") and amem and amem.get("ok")):
+                break  # not run yet, or it failed without the package: the edge is found
+            raise_to(f"raised_headroom_{step}", amem.get("headroom_suggested"))
+        raise_to("raised_per_rank", raised["per_rank"])
     todo.extend(defaults[2:])
     return [r for r in todo if r["name"] not in runs]
 
@@ -1089,7 +1114,8 @@ def summarise(state: dict) -> dict:
                               "failed": r.get("failed")}
         variants[variant] = rows
     fails_without, runs_with, lines = {}, {}, {}
-    for variant in ("raised_headroom", "raised_per_rank"):
+    steps = headroom_variants(set(by_variant) | {"raised_headroom"})
+    for variant in steps + ["raised_per_rank"]:
         base = [runs[n] for n in by_variant.get(variant, {}).get("base", [])]
         amem = [runs[n] for n in by_variant.get(variant, {}).get("amem", [])]
         fails_without[variant] = (all(not r["ok"] and (r.get("failed") or {}).get("oom")
@@ -1103,9 +1129,19 @@ def summarise(state: dict) -> dict:
         if len(ok) > 1:
             same_share_losses[variant] = max(
                 abs(a - b) for r in ok[1:] for a, b in zip(r["loss"], ok[0]["loss"]))
+    # the verdict: the first step of the headroom line that did not fit without the
+    # package (False where every step tried fitted, None where none ran)
+    tried = [v for v in steps if fails_without.get(v) is not None]
+    verdict = next((v for v in tried if fails_without[v]), tried[-1] if tried else None)
     return {"shares": shares, "edge": state.get("edge"), "variants": variants,
             "reference_default_without": reference,
-            "raised_share_fails_without": fails_without.get("raised_headroom"),
+            "raised_share_fails_without": fails_without.get(verdict) if verdict else None,
+            "raised_share": {"variant": verdict, "share": shares.get(verdict),
+                             "runs_with": runs_with.get(verdict),
+                             "failure_lines": lines.get(verdict, [])} if verdict else None,
+            "headroom_steps": [{"variant": v, "share": shares.get(v),
+                                "fails_without": fails_without.get(v),
+                                "runs_with": runs_with.get(v)} for v in steps if v in by_variant],
             "raised_share_fails_without_by_variant": fails_without,
             "raised_share_runs_with": runs_with, "failure_lines": lines,
             "max_loss_difference_at_one_share": same_share_losses,
