@@ -74,6 +74,7 @@ class AMemCallback(TrainerCallback, SessionViews):
         self._hooked = False
         self._settle_after_generate = True
         self._headroom_from = None  # the begin the headroom line is read from
+        self._free_at_fullest = None  # this rank's free memory after vLLM generated
 
     # --- finding and handing over the trainer ------------------------------
     def on_init_end(self, args, state, control, **kwargs):
@@ -175,11 +176,15 @@ class AMemCallback(TrainerCallback, SessionViews):
             self._headroom_from = self.session.start(where, need_bytes=None)
 
     def _tell_headroom(self) -> None:
-        """vLLM colocated: how far its share can go, once, from a begin that has
-        finished (one that did not wait may still be running: the next one tells)."""
+        """vLLM colocated: how far its share can go, from a begin that has finished
+        (one that did not wait may still be running: the next one tells) and the free
+        memory vLLM's generate left (at a share that already uses the freed memory,
+        less than it freed)."""
         report, self._headroom_from = self._headroom_from, None
+        free, self._free_at_fullest = self._free_at_fullest, None
         if report is not None and not report.pending and self.session is not None:
-            self.session.tell_headroom("vllm_gpu_memory_utilization", self._share(), report)
+            self.session.tell_headroom("vllm_gpu_memory_utilization", self._share(), report,
+                                       free_at_fullest=free)
 
     def _share(self) -> Optional[float]:
         return getattr(getattr(self.trainer, "args", None), "vllm_gpu_memory_utilization", None)
@@ -246,9 +251,16 @@ class AMemCallback(TrainerCallback, SessionViews):
                 self._start("vLLM KV-cache wake-up", memory_needed_now=True,
                             allocating_bytes=upcoming)
 
+        def generated(*_args, **_kwargs):
+            if self._inside_generate and self.session is not None:
+                # vLLM is at its fullest now (cache mapped, activations cached) and
+                # sleeps next: what stays free bounds the headroom line
+                self._free_at_fullest = self.session.free_here()
+
         llm = vllm_generation.llm
         self._patches.wrap(llm, "wake_up", before=wake_up)
-        self._patches.wrap(llm, "generate", before=self._starting("vLLM generate"))
+        self._patches.wrap(llm, "generate", before=self._starting("vLLM generate"),
+                           after=generated)
 
     def _hook_server(self, vllm_generation) -> None:
         """Rank 0 suspends right before its request to the server; the other ranks

@@ -8,6 +8,17 @@ communicator is still allocated, and an automatic raise would have to
 restart the engine. What it can do is tell the user, from the first begin,
 how far the setting can go with the communicators suspended during rollout:
 the GPU's total memory is known, and so are the bytes the begin freed on it.
+
+The freed bytes alone overstate it once the share already uses them: at a share
+raised past what fits without the package, NCCL still frees as much, but vLLM
+holds most of it. So where the adapter can read the free memory at the
+rollout's fullest (TRL colocated: after vLLM's generate, before its sleep), the
+raise is also bounded by that reading, and a later rollout's lower figure
+revises the line (the first rollout runs before the optimizer's state exists).
+One H100, TRL 1.16 + vLLM 0.31 (results/one_h100/trl_vllm_colocate): following
+the freed bytes alone, 0.0339 -> 0.0417 ran with the package (and failed without
+it), and the line then said 0.0495: 1.24 GiB more on a GPU whose two ranks had
+1.28 GiB left free at the rollout's fullest, inside the margin.
 """
 
 from __future__ import annotations
@@ -35,21 +46,40 @@ class Headroom:
     freed_bytes: int
     total_bytes: int
     margin_bytes: int
+    #: this rank's free memory at the rollout's fullest with the groups suspended
+    #: (None where the adapter cannot read it: the freed bytes alone bound the raise)
+    room_bytes: Optional[int] = None
+
+    @property
+    def limited_by_room(self) -> bool:
+        return self.room_bytes is not None and self.room_bytes < self.freed_bytes
 
     def line(self) -> str:
+        gib = 2**30
         if self.suggested <= self.current:
-            return (f"the suspended NCCL memory ({self.freed_bytes / 2**30:.2f} GiB on this GPU) "
+            if self.limited_by_room:
+                return (f"{self.setting} {self.current:g} already uses the NCCL memory suspended "
+                        f"during rollout: {self.room_bytes / gib:.2f} GiB stay free at its fullest "
+                        f"on this rank (margin {self.margin_bytes / gib:.2f} GiB); do not raise it")
+            return (f"the suspended NCCL memory ({self.freed_bytes / gib:.2f} GiB on this GPU) "
                     f"is too small to raise {self.setting} from {self.current:g} "
-                    f"(margin {self.margin_bytes / 2**30:.2f} GiB)")
-        return (f"{self.freed_bytes / 2**30:.2f} GiB of NCCL memory is free on this GPU during "
+                    f"(margin {self.margin_bytes / gib:.2f} GiB)")
+        line = (f"{self.freed_bytes / gib:.2f} GiB of NCCL memory is free on this GPU during "
                 f"rollout: you can raise {self.setting} from {self.current:g} to "
-                f"{self.suggested:g} (of {self.total_bytes / 2**30:.1f} GiB, "
-                f"{self.margin_bytes / 2**30:.2f} GiB margin)")
+                f"{self.suggested:g} (of {self.total_bytes / gib:.1f} GiB, "
+                f"{self.margin_bytes / gib:.2f} GiB margin)")
+        if self.limited_by_room:
+            line += (f"; no further: {self.room_bytes / gib:.2f} GiB stay free at the rollout's "
+                     "fullest on this rank")
+        return line
 
     def as_dict(self, prefix: str = "amem/") -> dict:
         p = prefix + "headroom/"
-        return {p + "freed_bytes": self.freed_bytes, p + "gpu_memory_utilization": self.suggested,
-                p + "gpu_memory_utilization_now": self.current}
+        out = {p + "freed_bytes": self.freed_bytes, p + "gpu_memory_utilization": self.suggested,
+               p + "gpu_memory_utilization_now": self.current}
+        if self.room_bytes is not None:
+            out[p + "room_bytes"] = self.room_bytes
+        return out
 
 
 #: the suggestion is rounded down to this step: vLLM takes any float, and 0.01 of
@@ -58,25 +88,38 @@ STEP = 1e-4
 
 
 def vllm_headroom(setting: str, current: float, freed_bytes: int, total_bytes: int,
-                  margin_bytes: int = DEFAULT_MARGIN_BYTES) -> Optional[Headroom]:
-    """The utilisation ``current`` plus the freed share, rounded down to
-    :data:`STEP`; None when a figure is missing."""
+                  margin_bytes: int = DEFAULT_MARGIN_BYTES,
+                  room_bytes: Optional[int] = None) -> Optional[Headroom]:
+    """The utilisation ``current`` plus the share of what the freed bytes leave
+    free (no more than ``room_bytes``, where known), less the margin, rounded down
+    to :data:`STEP`; None when a figure is missing."""
     if not total_bytes or current is None or freed_bytes is None:
         return None
-    usable = max(0, freed_bytes - margin_bytes)
+    room = freed_bytes if room_bytes is None else min(freed_bytes, max(0, room_bytes))
+    usable = max(0, room - margin_bytes)
     suggested = round(math.floor((current + usable / total_bytes) / STEP) * STEP, 4)
     suggested = max(current, min(CEILING, suggested))
     return Headroom(setting, float(current), suggested, int(freed_bytes), int(total_bytes),
-                    int(margin_bytes))
+                    int(margin_bytes), None if room_bytes is None else int(max(0, room_bytes)))
 
 
-def tell(setting: str, current: Optional[float], report, device: Optional[int]):
-    """The headroom a finished begin's ``report`` gives ``setting``, logged once by
-    the adapter that asks (verl's worker, TRL's callback); None when unknown."""
-    headroom = vllm_headroom(setting, current, freed_on_this_gpu(report), gpu_total_bytes(device))
-    if headroom is not None:
+def tell(setting: str, current: Optional[float], freed_bytes: Optional[int],
+         device: Optional[int], room_bytes: Optional[int] = None,
+         previous: Optional[Headroom] = None) -> Optional[Headroom]:
+    """The headroom ``freed_bytes`` (and ``room_bytes``) give ``setting``: logged
+    at the first, and again where a later rollout lowers it (the adapter that asks:
+    verl's worker, TRL's callback); ``previous`` otherwise, None when unknown."""
+    headroom = vllm_headroom(setting, current, freed_bytes, gpu_total_bytes(device),
+                             room_bytes=room_bytes)
+    if headroom is None:
+        return previous
+    if previous is None:
         logger.info("amem_callbacks: headroom: %s", headroom.line())
-    return headroom
+        return headroom
+    if headroom.suggested < previous.suggested:
+        logger.info("amem_callbacks: headroom, revised at a later rollout: %s", headroom.line())
+        return headroom
+    return previous
 
 
 def freed_on_this_gpu(report) -> Optional[int]:

@@ -236,9 +236,7 @@ class RolloutSession(SessionViews):
         rank skips this begin; else None and they all begin. The first begin always
         runs (it measures what the headroom line reports). Every rank decides from the
         same exchanged values; one that did not arrive in time counts as lacking."""
-        placement = self._policy._placement
-        shared_by = placement.sharing_my_device() if placement is not None else 1
-        mine = lacking_bytes(allocating, free, shared_by)
+        mine = lacking_bytes(allocating, free, self._sharing_my_device())
         seen, late = self.store_exchange(f"lacking/{self.phase}",
                                          "unknown" if mine is None else str(mine))
         if late or not seen or any(v == "unknown" or int(v) > 0 for v in seen.values()):
@@ -342,13 +340,30 @@ class RolloutSession(SessionViews):
 
     # --- figures --------------------------------------------------------------
     def tell_headroom(self, setting: str, current: Optional[float],
-                      report: Optional[TransitionReport]) -> None:
-        """Once, at the first begin that freed something: log how far the rollout
-        engine's memory share ``setting`` (now ``current``) can rise with the freed
-        memory (vLLM sizes its KV cache at start-up); ``metrics()`` carries it too."""
-        if self._headroom is not None or report is None or report.skipped:
-            return
-        self._headroom = headroom.tell(setting, current, report, self._policy.options.device)
+                      report: Optional[TransitionReport],
+                      free_at_fullest: Optional[int] = None) -> None:
+        """Log how far the rollout engine's memory share ``setting`` (now ``current``)
+        can rise with the memory this rollout's ``report`` freed (vLLM sizes its KV
+        cache at start-up): at the first begin that freed something, and again where a
+        later rollout lowers it; ``metrics()`` carries it too. ``free_at_fullest``:
+        this rank's free memory at the rollout's fullest (:meth:`free_here`), where
+        the adapter can read it; it bounds the raise."""
+        # A rollout whose begin was skipped tells nothing new: every rank had room for
+        # what it allocated, with its groups' bytes still allocated on top.
+        freed = headroom.freed_on_this_gpu(report)
+        if freed is not None:
+            self._headroom = headroom.tell(setting, current, freed, self._policy.options.device,
+                                           room_bytes=free_at_fullest, previous=self._headroom)
+
+    def free_here(self) -> Optional[int]:
+        """This rank's part of the device's free memory now: the device's, shared
+        among the ranks on it (each runs its own engine); None without CUDA."""
+        free = device_free_bytes(self._policy.options.device)
+        return None if free is None else free // self._sharing_my_device()
+
+    def _sharing_my_device(self) -> int:
+        placement = self._policy._placement
+        return max(1, placement.sharing_my_device()) if placement is not None else 1
 
     def _wait_for_bytes(self, nbytes: Optional[int], timeout_s: Optional[float]) -> int:
         if nbytes is not None:

@@ -377,6 +377,7 @@ def colocate_allocating(args):
     (its allocator, faked) and the free memory (faked: CPU has none to read):
     ``free`` 64 GiB fits, 0 lacks, None is unknown."""
     import amem_callbacks.adapters.trl as trl_adapter
+    import amem_callbacks.headroom as headroom_module
     import amem_callbacks.session as session_module
 
     fake = scenario_prelude(args)
@@ -386,6 +387,8 @@ def colocate_allocating(args):
     # no GPU total, on a GPU host too: what comes is then the faked KV cache alone (the
     # share x total path: tests/test_vllm_memory.py)
     trl_adapter.gpu_total_bytes = lambda device=None: None
+    # the headroom line's GPU: 80 GiB (the free memory after generate bounds the raise)
+    headroom_module.gpu_total_bytes = lambda device=None: 80 * 2**30
     options = {"backend": "fake", "agree_timeout_s": 20, "overlap": True}
     run = train(options, configure=configure_colocate, fake=fake, max_steps=2)
     del sys.modules["vllm.device_allocator.cumem"]

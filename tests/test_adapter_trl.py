@@ -167,6 +167,17 @@ def test_vllm_colocate_waits_only_for_what_vllms_kv_wake_up_lacks(free, waited):
         assert run["waited_for_bytes"] == waited
         assert run["counters"]["amem/total/auto_resumes"] == 0
         assert_same_training(run, res["baseline"])
+        # the headroom line (an 80 GiB GPU faked): the free memory read after vLLM's
+        # generate bounds the raise; unknown free memory leaves the freed bytes alone
+        metrics, share = run["metrics"], 0.3
+        assert metrics["amem/headroom/gpu_memory_utilization_now"] == share
+        if free is None:
+            assert "amem/headroom/room_bytes" not in metrics
+        elif fits:  # the second rollout suspended nothing: its groups count as free
+            assert metrics["amem/headroom/room_bytes"] >= free // 2
+        else:  # nothing stays free at the rollout's fullest: do not raise it
+            assert metrics["amem/headroom/room_bytes"] == 0
+            assert metrics["amem/headroom/gpu_memory_utilization"] == share
 
 
 @pytest.mark.parametrize("bad, words", [

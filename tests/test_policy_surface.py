@@ -9,7 +9,8 @@ from amem_callbacks.session import SessionViews
 POLICY = {"options", "begin", "start_suspends", "end", "phase", "wait", "close", "metrics",
           "groups", "view", "forget_learned"}
 SESSION = {"phase", "history", "waited", "start", "start_suspends", "stop", "settle",
-           "wait_for_memory", "freed", "store_exchange", "store_barrier", "tell_headroom"}
+           "wait_for_memory", "freed", "store_exchange", "store_barrier", "tell_headroom",
+           "free_here"}
 VIEWS = {"policy", "active", "headroom", "last_begin", "last_end", "metrics"}
 
 
