@@ -610,3 +610,14 @@ def test_an_earlier_probe_stands_in_only_on_the_same_gpu_and_versions(tmp_path):
         assert "probing" in drv.seed_probe(state, str(earlier), total, versions)
         assert state == {}
     assert "not read" in drv.seed_probe({}, str(tmp_path / "none.json"), 140 * GIB, now)
+    # another workload (more sequences a generation) probes afresh
+    ran = ["--steps", "12", "--batch", "4", "--gradient-checkpointing"]
+    earlier.write_text(json.dumps({"runs": {"probe": dict(
+        PROBE, ok=True, versions=now, command="python3 -m torch.distributed.run x.py run p "
+                                              + " ".join(ran) + " --git-head abc")}}))
+    state = {}
+    assert "stands for this one" in drv.seed_probe(state, str(earlier), 140 * GIB, now, ran)
+    state = {}
+    assert "run flags differ" in drv.seed_probe(
+        state, str(earlier), 140 * GIB, now, ["--steps", "24", "--batch", "8"])
+    assert state == {}

@@ -1148,6 +1148,11 @@ def summarise(state: dict) -> dict:
             "runs_done": sorted(runs), "runs_planned_next": state.get("next", [])}
 
 
+def dict_args(args, **changes):
+    """``args`` with ``changes``, as a namespace (the flags a probe must share)."""
+    return argparse.Namespace(**dict(vars(args), **changes))
+
+
 def driver_flags(args) -> list:
     """The ``run`` flags the orchestrator passes through to every run."""
     return ["--steps", str(args.steps), "--batch", str(args.batch),
@@ -1217,9 +1222,11 @@ def gpu_total_now() -> Optional[int]:
     return torch.cuda.mem_get_info()[1] if torch.cuda.is_available() else None
 
 
-def seed_probe(state: dict, path: str, total: Optional[int], now: dict) -> str:
+def seed_probe(state: dict, path: str, total: Optional[int], now: dict,
+               workload: Optional[list] = None) -> str:
     """Take the probe (and the run-time estimate) of an earlier call's state.json where
-    it ran on a GPU of the same total memory with the same torch, vLLM and trl: a
+    it ran on a GPU of the same total memory with the same torch, vLLM and trl, and
+    the same ``workload`` (the run flags, :func:`driver_flags` less ``--git-head``): a
     probe is a run of about 135 s, and the calibration run corrects the plan anyway.
     Says what it did."""
     try:
@@ -1234,6 +1241,9 @@ def seed_probe(state: dict, path: str, total: Optional[int], now: dict) -> str:
     if total is None or probe.get("gpu_total_bytes") != total or differs:
         return (f"--probe-from {path}: its GPU ({probe.get('gpu_total_bytes')} bytes) or "
                 f"versions ({differs}) differ from this one ({total} bytes); probing")
+    if workload is not None and shlex.join(workload) not in probe.get("command", ""):
+        return (f"--probe-from {path}: its run flags differ from this one's "
+                f"({shlex.join(workload)}); probing")
     state.setdefault("runs", {})["probe"] = dict(probe, probe_from=path)
     if earlier.get("estimate_s"):
         state.setdefault("estimate_s", earlier["estimate_s"])
@@ -1250,7 +1260,9 @@ def orchestrate(args) -> int:
     state_path = os.path.join(args.state, "state.json")
     state = json.load(open(state_path)) if os.path.isfile(state_path) else {}
     if args.probe_from and "probe" not in state.get("runs", {}):
-        print(seed_probe(state, args.probe_from, gpu_total_now(), versions()), flush=True)
+        workload = driver_flags(dict_args(args, git_head=None))
+        print(seed_probe(state, args.probe_from, gpu_total_now(), versions(), workload),
+              flush=True)
     env = vllm_bundle.environment()
     began = time.monotonic()
     while True:
