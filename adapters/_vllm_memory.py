@@ -63,14 +63,21 @@ def awake_bytes() -> Optional[int]:
 
 
 def upcoming_bytes(tags: Optional[Iterable[str]], share: Optional[float],
-                   total_bytes: Optional[int]) -> Optional[int]:
+                   total_bytes: Optional[int],
+                   generation_bytes: Optional[int] = None) -> Optional[int]:
     """What vLLM may take from the free memory between its wake-up of ``tags`` and
-    the end of generation: the KV cache it maps, or, where larger, the rest of its
-    budget (``share`` x the GPU's ``total_bytes``, which vLLM's start-up profile
-    filled with weights, activations, CUDA graphs and the cache) less what it has
-    mapped already. The larger of the two, so a generation's activations count
-    too; None when neither is known."""
+    the end of generation: the KV cache it maps, plus ``generation_bytes`` where an
+    earlier generation measured what it took beyond its wake-up (activations,
+    sampler buffers); else the KV cache or, where larger, the rest of its budget
+    (``share`` x the GPU's ``total_bytes``, which vLLM's start-up profile filled with
+    weights, activations, CUDA graphs and the cache) less what it has mapped
+    already, so a generation's activations count too, and so does what stays
+    allocated through sleep (CUDA graphs): that rule overstates it (on one H100 at
+    share 0.0261 by ~0.45 GiB a rank: a begin that waited for a suspend nothing
+    needed, results/one_h100/trl_vllm_colocate). None when nothing is known."""
     kv = wake_bytes(tags)
+    if kv is not None and generation_bytes is not None:
+        return kv + max(0, generation_bytes)
     rest = None
     if share is not None and total_bytes:
         mapped = awake_bytes() or 0

@@ -75,6 +75,8 @@ class AMemCallback(TrainerCallback, SessionViews):
         self._settle_after_generate = True
         self._headroom_from = None  # the begin the headroom line is read from
         self._free_at_fullest = None  # this rank's free memory after vLLM generated
+        self._at_kv_wake = None  # (free memory, bytes the begin had freed) after the wake-up
+        self._generation_bytes = None  # the most a generation took beyond its KV wake-up
 
     # --- finding and handing over the trainer ------------------------------
     def on_init_end(self, args, state, control, **kwargs):
@@ -241,26 +243,44 @@ class AMemCallback(TrainerCallback, SessionViews):
                            getattr(getattr(trainer, "vllm_generation", None), "mode", None))
 
     def _hook_colocate(self, vllm_generation) -> None:
-        def wake_up(*args, **kwargs):
+        def kv_tags(args, kwargs):
+            """The wake-up's tags where it maps the KV cache, else False."""
             tags = kwargs.get("tags", args[0] if args else None)
-            if tags is None or "kv_cache" in tags:  # the KV cache needs the memory now
-                # what vLLM takes next, from its own allocator: the begin waits only
-                # for what the free memory lacks (nothing at a share that fits anyway)
-                upcoming = upcoming_bytes(tags, self._share(),
-                                          gpu_total_bytes(self.options.device))
+            return tags if tags is None or "kv_cache" in tags else False
+
+        def wake_up(*args, **kwargs):
+            tags = kv_tags(args, kwargs)
+            if tags is not False:  # the KV cache needs the memory now
+                # what vLLM takes next, from its own allocator (and what an earlier
+                # generation took beyond it): the begin waits only for what the free
+                # memory lacks (nothing at a share that fits anyway)
+                upcoming = upcoming_bytes(tags, self._share(), gpu_total_bytes(self.options.device),
+                                          generation_bytes=self._generation_bytes)
                 self._start("vLLM KV-cache wake-up", memory_needed_now=True,
                             allocating_bytes=upcoming)
 
-        def generated(*_args, **_kwargs):
-            if self._inside_generate and self.session is not None:
-                # vLLM is at its fullest now (cache mapped, activations cached) and
-                # sleeps next: what stays free bounds the headroom line
-                self._free_at_fullest = self.session.free_here()
+        def woken(_result, *args, **kwargs):
+            if (kv_tags(args, kwargs) is not False and self._inside_generate
+                    and self.session is not None):
+                self._at_kv_wake = (self.session.free_here(), self.session.freed().nbytes)
 
         llm = vllm_generation.llm
-        self._patches.wrap(llm, "wake_up", before=wake_up)
+        self._patches.wrap(llm, "wake_up", before=wake_up, after=woken)
         self._patches.wrap(llm, "generate", before=self._starting("vLLM generate"),
-                           after=generated)
+                           after=lambda _result, *a, **k: self._generated())
+
+    def _generated(self) -> None:
+        """vLLM is at its fullest now (cache mapped, activations cached by torch's
+        allocator) and sleeps next: what stays free bounds the headroom line, and
+        what the generation took beyond its KV wake-up (the free memory's drop, plus
+        what suspends finished meanwhile gave back) joins the next begin's estimate."""
+        at_wake, self._at_kv_wake = self._at_kv_wake, None
+        if not self._inside_generate or self.session is None:
+            return
+        free = self._free_at_fullest = self.session.free_here()
+        if at_wake is not None and at_wake[0] is not None and free is not None:
+            took = at_wake[0] - free + (self.session.freed().nbytes - at_wake[1])
+            self._generation_bytes = max(self._generation_bytes or 0, took, 0)
 
     def _hook_server(self, vllm_generation) -> None:
         """Rank 0 suspends right before its request to the server; the other ranks

@@ -384,9 +384,9 @@ def colocate_allocating(args):
     baseline = train(configure=configure_colocate, max_steps=2)
     fake_cumem()
     session_module.device_free_bytes = lambda device=None: args["free"]
-    # no GPU total, on a GPU host too: what comes is then the faked KV cache alone (the
-    # share x total path: tests/test_vllm_memory.py)
-    trl_adapter.gpu_total_bytes = lambda device=None: None
+    # no GPU total unless ``total`` says (on a GPU host too): what comes is then the
+    # faked KV cache alone; with one, vLLM's whole budget at the first generation
+    trl_adapter.gpu_total_bytes = lambda device=None: args.get("total")
     # the headroom line's GPU: 80 GiB (the free memory after generate bounds the raise)
     headroom_module.gpu_total_bytes = lambda device=None: 80 * 2**30
     options = {"backend": "fake", "agree_timeout_s": 20, "overlap": True}

@@ -180,6 +180,21 @@ def test_vllm_colocate_waits_only_for_what_vllms_kv_wake_up_lacks(free, waited):
             assert metrics["amem/headroom/gpu_memory_utilization"] == share
 
 
+def test_a_later_generation_counts_what_the_last_one_took_not_vllms_whole_budget():
+    """At the first generation only vLLM's whole budget bounds what comes (0.3 of an
+    80 GiB GPU less the 300 MiB of weights mapped: more than the 8 GiB free), so the
+    begin waits; that generation then took nothing beyond its 200 MiB KV wake-up, so
+    the next one counts 200 MiB and every rank skips its begin."""
+    budget = int(0.3 * 80 * 2**30) - 300 * 2**20
+    for res in results("colocate_allocating", backend="fake", free=8 * 2**30,
+                       total=80 * 2**30):
+        run = res["amem"]
+        assert run["counters"]["amem/total/begins"] == 1
+        assert run["metrics"]["amem/total/begins_not_needed"] == 1
+        assert run["waited_for_bytes"] == budget + 512 * 2**20 - 8 * 2**30
+        assert_same_training(run, res["baseline"])
+
+
 @pytest.mark.parametrize("bad, words", [
     ({"backend": "cuda"}, "'auto', 'nccl', 'amem', 'noop'"),
     ({"guard": "loose"}, "('resume', 'strict', 'off')"),

@@ -149,7 +149,8 @@ def test_a_calibration_out_of_memory_runs_again_with_twice_the_room_then_stops()
     oom = {"kind": "torch", "line": "CUDA out of memory. Tried to allocate 2.00 MiB"}
     state["runs"]["calibrate"] = dict(first, ok=False, failed={"oom": oom})
     again = drv.plan_runs(state, plan_args())[0]
-    assert again["name"] == "calibrate" and again["ballast_gib"] == int((planned - 2.0) * 1000) / 1000
+    assert again["name"] == "calibrate"
+    assert again["ballast_gib"] == int((planned - 2.0) * 1000) / 1000
     assert [r["ballast_gib"] for r in state["failed_calibrations"]] == [first["ballast_gib"]]
     state["runs"]["calibrate"] = dict(again, ok=False, failed={"oom": oom})
     third = drv.plan_runs(state, plan_args())[0]

@@ -72,3 +72,19 @@ def test_reading_never_imports_vllm(monkeypatch, share):
     monkeypatch.delitem(sys.modules, vm._CUMEM, raising=False)
     vm.upcoming_bytes(None, share, 80 * 2**30)
     assert vm._CUMEM not in sys.modules
+
+
+def test_a_measured_generation_replaces_the_rest_of_vllms_budget(monkeypatch):
+    """Once a generation measured what it took beyond its KV wake-up, what comes is
+    the cache plus that: the rest-of-budget rule counts what stays allocated through
+    sleep (CUDA graphs) too, and on one H100 made a begin wait for nothing."""
+    allocator(monkeypatch, [("weights", 300 * MIB, {"is_asleep": False}),
+                            ("kv_cache", 200 * MIB, {"is_asleep": True})])
+    gib = 2**30
+    assert vm.upcoming_bytes(["kv_cache"], 0.01, 80 * gib, generation_bytes=64 * MIB) \
+        == 264 * MIB
+    assert vm.upcoming_bytes(["kv_cache"], 0.01, 80 * gib, generation_bytes=-5) == 200 * MIB
+    # the cache itself unknown: the measured figure alone is not an estimate
+    monkeypatch.delitem(sys.modules, vm._CUMEM)
+    assert vm.upcoming_bytes(["kv_cache"], 0.01, 80 * gib, generation_bytes=64 * MIB) \
+        == int(0.01 * 80 * gib)

@@ -1029,7 +1029,8 @@ def plan_runs(state: dict, args) -> list:
                 raise SystemExit("the calibration run failed at share "
                                  f"{plan['share']} with {runs['calibrate']['ballast_gib']} GiB of "
                                  f"ballast a rank: {runs['calibrate'].get('failed')}; run the "
-                                 "same command with a larger --slack-gib (the state keeps the probe)")
+                                 "same command with a larger --slack-gib (the state keeps the "
+                                 "probe)")
             failed.append(runs.pop("calibrate"))  # out of memory: again with more room
         if "calibrate" not in runs:  # the plan's own run, package off, before any pair
             return [{"name": "calibrate", "share": plan["share"], "amem": False,
