@@ -993,10 +993,16 @@ def raised_shares(default_amem: dict, share: float) -> dict:
 HEADROOM_STEPS = 3
 
 
+def headroom_variant(step: int) -> str:
+    """The variant of the headroom line's ``step`` (1: the line at the default share)."""
+    return "raised_headroom" if step == 1 else f"raised_headroom_{step}"
+
+
 def headroom_variants(variants) -> list:
     """The headroom line's steps among ``variants``, in order."""
-    steps = [v for v in variants if v == "raised_headroom" or v.startswith("raised_headroom_")]
-    return sorted(steps, key=lambda v: int(v.rsplit("_", 1)[1]) if v[-1].isdigit() else 1)
+    named = {headroom_variant(step): step for step in range(1, HEADROOM_STEPS + 1)}
+    steps = [v for v in variants if v in named or v.startswith("raised_headroom_")]
+    return sorted(steps, key=lambda v: named[v] if v in named else int(v.rsplit("_", 1)[1]))
 
 
 def pair_order(index: int) -> tuple:
@@ -1063,15 +1069,15 @@ def plan_runs(state: dict, args) -> list:
                                  "share": share, "amem": amem, "ballast_gib": ballast,
                                  "variant": variant})
 
-        raise_to("raised_headroom", raised["headroom"])
+        raise_to(headroom_variant(1), raised["headroom"])
         # as a user follows the headroom line: where the raised share still fitted
         # without the package, the package's run there recommends the next one
         for step in range(2, HEADROOM_STEPS + 1):
-            previous = "raised_headroom" if step == 2 else f"raised_headroom_{step - 1}"
+            previous = headroom_variant(step - 1)
             base, amem = runs.get(f"{previous}-base-0"), runs.get(f"{previous}-amem-0")
             if not (base and base.get("ok") and amem and amem.get("ok")):
                 break  # not run yet, or it failed without the package: the edge is found
-            raise_to(f"raised_headroom_{step}", amem.get("headroom_suggested"))
+            raise_to(headroom_variant(step), amem.get("headroom_suggested"))
         raise_to("raised_per_rank", raised["per_rank"])
     todo.extend(defaults[2:])
     return [r for r in todo if r["name"] not in runs]
@@ -1147,11 +1153,6 @@ def summarise(state: dict) -> dict:
             "raised_share_runs_with": runs_with, "failure_lines": lines,
             "max_loss_difference_at_one_share": same_share_losses,
             "runs_done": sorted(runs), "runs_planned_next": state.get("next", [])}
-
-
-def dict_args(args, **changes):
-    """``args`` with ``changes``, as a namespace (the flags a probe must share)."""
-    return argparse.Namespace(**dict(vars(args), **changes))
 
 
 def driver_flags(args) -> list:
@@ -1261,7 +1262,7 @@ def orchestrate(args) -> int:
     state_path = os.path.join(args.state, "state.json")
     state = json.load(open(state_path)) if os.path.isfile(state_path) else {}
     if args.probe_from and "probe" not in state.get("runs", {}):
-        workload = driver_flags(dict_args(args, git_head=None))
+        workload = driver_flags(argparse.Namespace(**dict(vars(args), git_head=None)))
         print(seed_probe(state, args.probe_from, gpu_total_now(), versions(), workload),
               flush=True)
     env = vllm_bundle.environment()
