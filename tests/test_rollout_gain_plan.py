@@ -961,6 +961,9 @@ def test_twin_pairs_merge_as_one_configuration_against_itself(records, tmp_path)
     gain = json.load(open(out / "rollout_gain.json"))
     assert gain["sides"] == ["nogrow", "twin"] and gain["same_configuration"]
     assert gain["goals"] == {} and gain["step_time_ratio"] == pytest.approx(1.0)
+    # on the growth-cost goal's basis too (every iteration), so the folders compare
+    assert gain["step_time_ratio_all_iterations"] == pytest.approx(1.0)
+    assert gain["step_time_ratio_all_iterations_spread"] == pytest.approx([1.0, 1.0])
     critical = json.load(open(out / "critical_path.json"))
     assert critical["sides"] == ["nogrow", "twin"] and critical["per_run"]
 
