@@ -318,7 +318,9 @@ def test_the_summary_says_whether_the_raised_share_fails_without_the_package():
                  "raised_headroom-base-0": run_row("raised_headroom", False, ok=False,
                                                    failed={"oom": oom}, kv_cache_tokens=None),
                  "raised_headroom-amem-0": run_row("raised_headroom", True, share=0.04,
-                                                   kv_cache_tokens=15000, tokens_per_s=1300.0),
+                                                   kv_cache_tokens=15000, tokens_per_s=1300.0,
+                                                   generation_torch_peak_bytes=3 * GIB // 2,
+                                                   generation_free_drop_bytes=GIB // 4),
                  "raised_per_rank-base-0": run_row("raised_per_rank", False),  # fitted anyway
              }}
     got = drv.summarise(state)
@@ -330,6 +332,8 @@ def test_the_summary_says_whether_the_raised_share_fails_without_the_package():
     row = got["variants"]["raised_headroom"]["raised_headroom-amem-0"]
     assert row["vs_default_without"]["kv_cache_tokens"] == 1.5
     assert row["vs_default_without"]["tokens_per_s"] == 1.3
+    assert (row["generation_peak_gib"], row["generation_drop_gib"]) == (1.5, 0.25)
+    assert got["variants"]["default"]["default-amem-0"]["generation_peak_gib"] is None
     assert got["max_loss_difference_at_one_share"]["default"] == pytest.approx(0.05)
     # a raised run without the package that died for another reason is no OOM verdict
     state["runs"]["raised_headroom-base-0"]["failed"] = {"oom": None, "hung": True}
@@ -472,6 +476,9 @@ def test_each_rank_records_the_package_vllm_and_the_run(cpu_runs):
         assert all(g["tokens"] == 2 * 2 * 8 and g["sequences"] == 4 for g in gens)
         assert all(g["free_before_kv_wake"] == common.STAND_IN_MEMORY[0] for g in gens)
         assert all("sync_weights_s" in g and "wake_kv_s" in g and "sleep_s" in g for g in gens)
+        # torch's peak counter read around generate (the stand-in counts nothing)
+        assert all(g["torch_reserved_at_kv_wake"] == 0 == g["torch_peak_beyond_kv_wake"]
+                   for g in gens)
         assert len(got["step_seconds"]) == 4 and len(got["loss"]) == 4
         assert got["mode"].startswith("cpu") and got["versions"]["trl"] == "1.16.0"
         assert re.fullmatch(r"[0-9a-f]{40}", got["git_head"])
@@ -622,3 +629,20 @@ def test_an_earlier_probe_stands_in_only_on_the_same_gpu_and_versions(tmp_path):
     assert "run flags differ" in drv.seed_probe(
         state, str(earlier), 140 * GIB, now, ["--steps", "24", "--batch", "8"])
     assert state == {}
+
+
+def test_merge_gives_a_generations_torch_peak_beside_its_free_memory_drop(tmp_path):
+    """What a generation needs beyond its KV wake-up at its peak (torch's counter) and
+    what the free memory after generate shows: the larger over the later generations
+    of every rank (the first carries start-up's compilation and is left out)."""
+    prefix = str(tmp_path / "rank")
+    gens = {0: [(9 * GIB, 50, 40), (GIB, 50 * GIB, 49 * GIB), (2 * GIB, 50 * GIB, 48 * GIB)],
+            1: [(9 * GIB, 50, 40), (3 * GIB, 50 * GIB, 49 * GIB + GIB // 2)]}
+    for rank, rows in gens.items():
+        with open(f"{prefix}.rank{rank}.json", "w") as f:
+            json.dump({"rank": rank, "failed": None, "generations": [
+                {"torch_peak_beyond_kv_wake": peak, "free_after_kv_wake": wake,
+                 "free_after_generate": after} for peak, wake, after in rows]}, f)
+    run = drv.merge_run(prefix, meta={"ranks": 2, "rc": 0})
+    assert run["generation_torch_peak_bytes"] == 3 * GIB
+    assert run["generation_free_drop_bytes"] == 2 * GIB

@@ -75,7 +75,9 @@ def _install_cuda_stand_in(torch) -> None:
     cuda.current_device = lambda: 0
     cuda.mem_get_info = lambda device=None: (free, total)
     cuda.memory_stats = lambda device=None: {"allocated_bytes.all.current": 0,
-                                             "reserved_bytes.all.current": 0}
+                                             "reserved_bytes.all.current": 0,
+                                             "reserved_bytes.all.peak": 0}
+    cuda.reset_peak_memory_stats = lambda device=None: None
 
 
 def process_group_backend(gpu: str = "nccl") -> str:

@@ -505,6 +505,26 @@ class Recorder:
         return out
 
 
+def torch_reserved(start_peak_window: bool = False) -> int:
+    """This process's bytes in torch's caching allocator. vLLM's KV cache and weights
+    sit in segments torch counts as reserved through sleep and wake-up alike, so what
+    reserved rises by during generate is the generation's own transient need
+    (activations, sampler buffers), read exactly at its peak, which the 20 ms free-memory
+    readings can miss. ``start_peak_window`` resets torch's peak counter (this driver's
+    own process; the package never does)."""
+    import torch
+
+    if start_peak_window:
+        torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_stats().get("reserved_bytes.all.current", 0)
+
+
+def torch_reserved_peak() -> int:
+    import torch
+
+    return torch.cuda.memory_stats().get("reserved_bytes.all.peak", 0)
+
+
 def spy(trainer, rec: Recorder, sync, synced_sleep: bool, memory_now) -> None:
     """Wrap vLLM's wake_up, generate and sleep and trl's weight sync on this trainer
     with plain functions: AMemCallback wraps wake_up and generate again at the first
@@ -549,6 +569,7 @@ def spy(trainer, rec: Recorder, sync, synced_sleep: bool, memory_now) -> None:
         if kv:
             rec.phase = "generation"
             gen["free_after_kv_wake"] = memory_now()
+            gen["torch_reserved_at_kv_wake"] = torch_reserved(start_peak_window=True)
             rec.observe(gen["free_after_kv_wake"])
         return result
 
@@ -561,6 +582,9 @@ def spy(trainer, rec: Recorder, sync, synced_sleep: bool, memory_now) -> None:
         gen.update(generate_s=seconds, tokens=tokens, sequences=len(outputs),
                    tokens_per_s=tokens / seconds if seconds > 0 else None,
                    free_after_generate=memory_now())
+        if "torch_reserved_at_kv_wake" in gen:
+            gen["torch_peak_beyond_kv_wake"] = (torch_reserved_peak()
+                                                - gen["torch_reserved_at_kv_wake"])
         rec.observe(gen["free_after_generate"])
         return outputs
 
@@ -875,6 +899,15 @@ def merge_run(prefix: str, log_lines=(), meta: Optional[dict] = None) -> dict:
               for m in (d.get("memory_minima") or [])[1:] if m.get("min_free_generating")]
     train_minima = [m["min_free_training_after"] for d in ranks.values()
                     for m in (d.get("memory_minima") or [])[1:] if m.get("min_free_training_after")]
+    # the margin's question (session J): what a generation needs beyond its KV wake-up
+    # at its peak (torch's own counter) against what the free memory after generate
+    # shows, the figure the package's begin estimates from
+    later = [g for d in ranks.values() for g in (d.get("generations") or [])[1:]]
+    peaks = [g["torch_peak_beyond_kv_wake"] for g in later
+             if g.get("torch_peak_beyond_kv_wake") is not None]
+    drops = [g["free_after_kv_wake"] - g["free_after_generate"] for g in later
+             if g.get("free_after_kv_wake") is not None
+             and g.get("free_after_generate") is not None]
     first = ranks.get(min(ranks)) if ranks else {}
     amem = [d["amem"] for d in ranks.values() if d.get("amem")]
     headrooms = [a["headroom"] for a in amem if a.get("headroom")]
@@ -887,6 +920,8 @@ def merge_run(prefix: str, log_lines=(), meta: Optional[dict] = None) -> dict:
         loss=(first or {}).get("loss"),
         min_free_generating=min(minima) if minima else None,
         min_free_training=min(train_minima) if train_minima else None,
+        generation_torch_peak_bytes=max(peaks, default=None),
+        generation_free_drop_bytes=max(drops, default=None),
         gpu_total_bytes=(first or {}).get("gpu_total_bytes"),
         ranks_on_gpu=(first or {}).get("ranks_on_gpu"),
         at_vllm_start=(first or {}).get("at_vllm_start"),
@@ -1117,6 +1152,9 @@ def summarise(state: dict) -> dict:
                               "tokens_per_s": r.get("tokens_per_s"),
                               "mean_step_s": r.get("mean_step_s"),
                               "generation_step_s": r.get("generation_step_s"),
+                              # beyond the KV wake-up: torch's peak, the free memory's drop
+                              "generation_peak_gib": _gib(r.get("generation_torch_peak_bytes")),
+                              "generation_drop_gib": _gib(r.get("generation_free_drop_bytes")),
                               "vs_default_without": ratio,
                               "failed": r.get("failed")}
         variants[variant] = rows
@@ -1153,6 +1191,10 @@ def summarise(state: dict) -> dict:
             "raised_share_runs_with": runs_with, "failure_lines": lines,
             "max_loss_difference_at_one_share": same_share_losses,
             "runs_done": sorted(runs), "runs_planned_next": state.get("next", [])}
+
+
+def _gib(nbytes: Optional[int]) -> Optional[float]:
+    return None if nbytes is None else round(nbytes / GIB, 3)
 
 
 def driver_flags(args) -> list:
