@@ -633,16 +633,18 @@ def test_an_earlier_probe_stands_in_only_on_the_same_gpu_and_versions(tmp_path):
 
 def test_merge_gives_a_generations_torch_peak_beside_its_free_memory_drop(tmp_path):
     """What a generation needs beyond its KV wake-up at its peak (torch's counter) and
-    what the free memory after generate shows: the larger over the later generations
-    of every rank (the first carries start-up's compilation and is left out)."""
+    what the free memory after generate shows, this rank's part of it where ranks
+    share the GPU: the larger over the later generations of every rank (the first
+    carries start-up's compilation and is left out)."""
     prefix = str(tmp_path / "rank")
-    gens = {0: [(9 * GIB, 50, 40), (GIB, 50 * GIB, 49 * GIB), (2 * GIB, 50 * GIB, 48 * GIB)],
-            1: [(9 * GIB, 50, 40), (3 * GIB, 50 * GIB, 49 * GIB + GIB // 2)]}
+    gens = {0: [(9 * GIB, 50, 40), (GIB, 50 * GIB, 49 * GIB), (2 * GIB, 50 * GIB, 47 * GIB)],
+            1: [(9 * GIB, 50, 40), (3 * GIB, 50 * GIB, 48 * GIB)]}
     for rank, rows in gens.items():
         with open(f"{prefix}.rank{rank}.json", "w") as f:
-            json.dump({"rank": rank, "failed": None, "generations": [
-                {"torch_peak_beyond_kv_wake": peak, "free_after_kv_wake": wake,
-                 "free_after_generate": after} for peak, wake, after in rows]}, f)
+            json.dump({"rank": rank, "failed": None, "ranks_on_gpu": 2 if rank == 0 else None,
+                       "generations": [{"torch_peak_beyond_kv_wake": peak,
+                                        "free_after_kv_wake": wake, "free_after_generate": after}
+                                       for peak, wake, after in rows]}, f)
     run = drv.merge_run(prefix, meta={"ranks": 2, "rc": 0})
     assert run["generation_torch_peak_bytes"] == 3 * GIB
-    assert run["generation_free_drop_bytes"] == 2 * GIB
+    assert run["generation_free_drop_bytes"] == 2 * GIB  # rank 1's; rank 0's 3 GiB is 1.5 its own

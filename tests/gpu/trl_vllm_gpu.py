@@ -900,12 +900,15 @@ def merge_run(prefix: str, log_lines=(), meta: Optional[dict] = None) -> dict:
     train_minima = [m["min_free_training_after"] for d in ranks.values()
                     for m in (d.get("memory_minima") or [])[1:] if m.get("min_free_training_after")]
     # the margin's question (session J): what a generation needs beyond its KV wake-up
-    # at its peak (torch's own counter) against what the free memory after generate
-    # shows, the figure the package's begin estimates from
-    later = [g for d in ranks.values() for g in (d.get("generations") or [])[1:]]
-    peaks = [g["torch_peak_beyond_kv_wake"] for g in later
+    # at its peak (torch's own counter, this rank's) against what the free memory after
+    # generate shows (the GPU's: this rank's part of it where ranks share the GPU, as
+    # the package's begin reads it for its estimate)
+    later = [(g, max(1, d.get("ranks_on_gpu") or 1))
+             for d in ranks.values() for g in (d.get("generations") or [])[1:]]
+    peaks = [g["torch_peak_beyond_kv_wake"] for g, _ in later
              if g.get("torch_peak_beyond_kv_wake") is not None]
-    drops = [g["free_after_kv_wake"] - g["free_after_generate"] for g in later
+    drops = [(g["free_after_kv_wake"] - g["free_after_generate"]) // sharing
+             for g, sharing in later
              if g.get("free_after_kv_wake") is not None
              and g.get("free_after_generate") is not None]
     first = ranks.get(min(ranks)) if ranks else {}
