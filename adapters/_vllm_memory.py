@@ -84,3 +84,11 @@ def upcoming_bytes(tags: Optional[Iterable[str]], share: Optional[float],
         rest = max(0, int(share * total_bytes) - mapped)
     known = [x for x in (kv, rest) if x is not None]
     return max(known) if known else None
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is a CUDA allocation that found too little free memory:
+    vLLM's cuMem wake-up raises ``RuntimeError("CUDA Error: out of memory at
+    .../cumem_allocator.cpp:...")`` (0.31, measured), torch its OutOfMemoryError (a
+    RuntimeError too). Nothing else counts: other failures are not the begin's to mend."""
+    return isinstance(error, (RuntimeError, MemoryError)) and "out of memory" in str(error).lower()

@@ -18,7 +18,7 @@ from amem_callbacks.patching import Patches
 from amem_callbacks.session import RolloutSession, SessionViews
 
 from ._trl_groups import generation_mode, groups_generation_uses, needs_settle_after_generate
-from ._vllm_memory import upcoming_bytes
+from ._vllm_memory import is_out_of_memory, upcoming_bytes
 
 try:
     from transformers import TrainerCallback
@@ -30,6 +30,11 @@ PHASE = "rollout"
 # Accelerator methods that are collective: the first one inside generation ends the phase.
 _ACCELERATOR_COLLECTIVES = ("gather", "gather_for_metrics", "reduce", "pad_across_processes",
                             "wait_for_everyone")
+#: Free memory that must stay beyond vLLM's KV wake-up and the last generation's take
+#: for a begin to be skipped. Smaller than the headroom line's 0.5 GiB: the wake-up's
+#: size is vLLM's own (exact), and a wake-up that falls short anyway is caught
+#: (_wake_after_skipped_begin); this covers a generation taking more than the last.
+WAKE_MARGIN_BYTES = 256 * 2**20
 #: AMemCallback keyword -> OffloadOptions field (TRL users write the policy's own names).
 OPTION_NAMES = {name: name for name in OffloadOptions.names()}
 # Callbacks whose trainer is inside a vLLM server-mode generate call (see _server_broadcast).
@@ -158,24 +163,27 @@ class AMemCallback(TrainerCallback, SessionViews):
         return result
 
     def _start(self, where: str, memory_needed_now: bool = False,
-               allocating_bytes: Optional[int] = None) -> None:
+               allocating_bytes: Optional[int] = None) -> bool:
         """``memory_needed_now``: something allocates right after; with
         ``allocating_bytes`` (how much), the begin waits only for what the free
-        memory lacks, else for all of it."""
+        memory lacks, else for all of it. True where every rank skipped the begin
+        (nothing lacked): the allocation then reports whether it fell short."""
         if (not self._inside_generate or self._phase_done or self.session is None
                 or self.session.active or self._suspends_nothing()):
-            return
+            return False
         logger.debug("amem_callbacks: generation starts (%s): begin", where)
         if not memory_needed_now:
             self.session.start(where, need_bytes=0)
         elif allocating_bytes is not None:
-            report = self.session.start(where, allocating_bytes=allocating_bytes)
+            report = self.session.start(where, allocating_bytes=allocating_bytes,
+                                        margin_bytes=WAKE_MARGIN_BYTES)
             if report is not None and report.skipped:  # every rank agreed nothing lacks:
                 self._phase_done = True  # no begin in this generation (nor an end)
-            else:
-                self._headroom_from = report
+                return True
+            self._headroom_from = report
         else:
             self._headroom_from = self.session.start(where, need_bytes=None)
+        return False
 
     def _tell_headroom(self) -> None:
         """vLLM colocated: how far its share can go, from a begin that has finished
@@ -248,26 +256,46 @@ class AMemCallback(TrainerCallback, SessionViews):
             tags = kwargs.get("tags", args[0] if args else None)
             return tags if tags is None or "kv_cache" in tags else False
 
-        def wake_up(*args, **kwargs):
+        def wake_up(original, *args, **kwargs):
             tags = kv_tags(args, kwargs)
-            if tags is not False:  # the KV cache needs the memory now
-                # what vLLM takes next, from its own allocator (and what an earlier
-                # generation took beyond it): the begin waits only for what the free
-                # memory lacks (nothing at a share that fits anyway)
-                upcoming = upcoming_bytes(tags, self._share(), gpu_total_bytes(self.options.device),
-                                          generation_bytes=self._generation_bytes)
-                self._start("vLLM KV-cache wake-up", memory_needed_now=True,
-                            allocating_bytes=upcoming)
-
-        def woken(_result, *args, **kwargs):
-            if (kv_tags(args, kwargs) is not False and self._inside_generate
-                    and self.session is not None):
+            if tags is False:
+                return original(*args, **kwargs)
+            # the KV cache needs the memory now: what vLLM takes next, from its own
+            # allocator (and what the last generation took beyond it): the begin waits
+            # only for what the free memory lacks (nothing at a share that fits anyway)
+            upcoming = upcoming_bytes(tags, self._share(), gpu_total_bytes(self.options.device),
+                                      generation_bytes=self._generation_bytes)
+            skipped = self._start("vLLM KV-cache wake-up", memory_needed_now=True,
+                                  allocating_bytes=upcoming)
+            result = (self._wake_after_skipped_begin(original, args, kwargs) if skipped
+                      else original(*args, **kwargs))
+            if self._inside_generate and self.session is not None:
                 self._at_kv_wake = (self.session.free_here(), self.session.freed().nbytes)
+            return result
 
         llm = vllm_generation.llm
-        self._patches.wrap(llm, "wake_up", before=wake_up, after=woken)
+        self._patches.wrap(llm, "wake_up", wake_up)
         self._patches.wrap(llm, "generate", before=self._starting("vLLM generate"),
                            after=lambda _result, *a, **k: self._generated())
+
+    def _wake_after_skipped_begin(self, original, args, kwargs):
+        """Every rank judged that vLLM's KV cache fits and skipped its begin. Where a
+        rank's wake-up runs out of memory anyway, every rank learns it in one store
+        round and begins, and that rank wakes again: vLLM maps only what is still
+        asleep (vllm/device_allocator/cumem.py, ``CuMemAllocator.wake_up`` skips
+        woken allocations; the executor keeps the tag asleep until a wake-up
+        returns). Every rank reaches the round, whatever its wake-up raised."""
+        try:
+            result, error = original(*args, **kwargs), None
+        except Exception as caught:  # noqa: BLE001 - re-raised below, after the round
+            result, error = None, caught
+        short = error is not None and is_out_of_memory(error)
+        report = self.session.start_if_any_rank_fell_short("vLLM KV-cache wake-up", short)
+        if report is not None:
+            self._headroom_from = report
+        if error is not None and (not short or report is None):
+            raise error
+        return original(*args, **kwargs) if short else result
 
     def _generated(self) -> None:
         """vLLM is at its fullest now (cache mapped, activations cached by torch's
@@ -280,7 +308,11 @@ class AMemCallback(TrainerCallback, SessionViews):
         free = self._free_at_fullest = self.session.free_here()
         if at_wake is not None and at_wake[0] is not None and free is not None:
             took = at_wake[0] - free + (self.session.freed().nbytes - at_wake[1])
-            self._generation_bytes = max(self._generation_bytes or 0, took, 0)
+            # the last generation's, not the largest: what a generation allocates
+            # stays allocated through vLLM's sleep, so the next one takes only what is
+            # new (one H100: 0.23 GiB at the first, 2 MiB at each later one,
+            # results/one_h100/trl_vllm_colocate_kv); a larger one shows again
+            self._generation_bytes = max(took, 0)
 
     def _hook_server(self, vllm_generation) -> None:
         """Rank 0 suspends right before its request to the server; the other ranks

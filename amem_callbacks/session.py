@@ -121,6 +121,7 @@ class SessionViews:
         for name, seconds in session.waited.items():
             out[f"{prefix}total/caller_wait_{name}_seconds"] = seconds
         out[f"{prefix}total/begins_not_needed"] = session._skipped_begins
+        out[f"{prefix}total/begins_after_short_allocation"] = session._late_begins
         if session._headroom is not None:
             out.update(session._headroom.as_dict(prefix))
         return out
@@ -164,6 +165,7 @@ class RolloutSession(SessionViews):
         self.history: collections.deque = collections.deque(maxlen=history)
         self.waited = {"start": 0.0, "stop": 0.0, "memory": 0.0}  # caller seconds, cumulative
         self._skipped_begins = 0  # begins every rank skipped: nothing lacked (start())
+        self._late_begins = 0  # skipped begins made after all: an allocation fell short
         self._headroom = None  # see tell_headroom
         self._lock = threading.RLock()
 
@@ -172,8 +174,8 @@ class RolloutSession(SessionViews):
 
     # --- the phase ---------------------------------------------------------
     def start(self, where: str, *, need_bytes: Optional[int] = None,
-              hold_s: float = 0.0, allocating_bytes: Optional[int] = None
-              ) -> Optional[TransitionReport]:
+              hold_s: float = 0.0, allocating_bytes: Optional[int] = None,
+              margin_bytes: int = DEFAULT_MARGIN_BYTES) -> Optional[TransitionReport]:
         """Collective: begin the phase (nothing when it is already active).
 
         Args:
@@ -190,7 +192,11 @@ class RolloutSession(SessionViews):
                 the GPU, less a margin) lacks: nothing when it all fits. After the
                 first begin, where no rank lacks anything, every rank skips the
                 begin (a skipped report, ``waited_for_bytes`` 0; the phase does not
-                become active, so the caller's ``stop`` does nothing).
+                become active, so the caller's ``stop`` does nothing). A caller
+                that can tell when its allocation fell short anyway calls
+                :meth:`start_if_any_rank_fell_short` right after it.
+            margin_bytes: with ``allocating_bytes``: free memory that must stay
+                beyond the allocation for it to count as fitting.
         """
         if hold_s and need_bytes != 0:
             raise OptionError(f"start(hold_s={hold_s!r}) holds the suspends, so it cannot "
@@ -198,6 +204,8 @@ class RolloutSession(SessionViews):
                               "need_bytes=0, or hold_s=0 to wait")
         if allocating_bytes is not None:
             check_number("allocating_bytes", allocating_bytes, minimum=0, integer=True,
+                         maximum=MAX_BYTES, why="2**63 - 1: NCCL counts bytes in 64 bits")
+            check_number("margin_bytes", margin_bytes, minimum=0, integer=True,
                          maximum=MAX_BYTES, why="2**63 - 1: NCCL counts bytes in 64 bits")
             if need_bytes is not None or hold_s:
                 raise OptionError("start(allocating_bytes=...) works out what to wait for "
@@ -210,7 +218,8 @@ class RolloutSession(SessionViews):
             free_before = (device_free_bytes(self._policy.options.device)
                            if allocating_bytes is not None else None)
             if allocating_bytes is not None and self.history:
-                skipped = self._skip_if_no_rank_lacks(where, allocating_bytes, free_before)
+                skipped = self._skip_if_no_rank_lacks(where, allocating_bytes, free_before,
+                                                      margin_bytes)
                 if skipped is not None:
                     self.waited["start"] += time.monotonic() - began
                     return skipped
@@ -219,7 +228,7 @@ class RolloutSession(SessionViews):
                       else self._policy.begin(self.phase))
             if allocating_bytes is not None:
                 need_bytes = lacking_bytes(allocating_bytes, free_before,
-                                           report.device_shared_by)
+                                           report.device_shared_by, margin_bytes)
                 report.waited_for_bytes = need_bytes
             if need_bytes is None:
                 self._policy.wait()
@@ -228,15 +237,15 @@ class RolloutSession(SessionViews):
             self.waited["start"] += time.monotonic() - began
             return self._record(where, report)
 
-    def _skip_if_no_rank_lacks(self, where: str, allocating: int,
-                               free: Optional[int]) -> Optional[TransitionReport]:
+    def _skip_if_no_rank_lacks(self, where: str, allocating: int, free: Optional[int],
+                               margin: int) -> Optional[TransitionReport]:
         """Collective (a store round, never NCCL): where no rank lacks memory for what
         it allocates next, suspending frees nothing anyone uses and its resume still
         costs the next step (0.5 s a generation on one H100 with vLLM 0.31), so every
         rank skips this begin; else None and they all begin. The first begin always
         runs (it measures what the headroom line reports). Every rank decides from the
         same exchanged values; one that did not arrive in time counts as lacking."""
-        mine = lacking_bytes(allocating, free, self._sharing_my_device())
+        mine = lacking_bytes(allocating, free, self._sharing_my_device(), margin)
         seen, late = self.store_exchange(f"lacking/{self.phase}",
                                          "unknown" if mine is None else str(mine))
         if late or not seen or any(v == "unknown" or int(v) > 0 for v in seen.values()):
@@ -248,6 +257,33 @@ class RolloutSession(SessionViews):
                                 backend=getattr(self._policy._backend, "name", "none"),
                                 skipped="not needed: every rank's next allocation fits in "
                                         "the free memory", waited_for_bytes=0)
+
+    def start_if_any_rank_fell_short(self, where: str, fell_short: bool
+                                     ) -> Optional[TransitionReport]:
+        """Collective (a store round, never NCCL), right after the allocation that a
+        begin every rank skipped was for (``start(allocating_bytes=)``): where that
+        allocation ran out of memory on any rank after all (``fell_short``; a rank
+        that does not answer in time counts as short), every rank begins now and
+        waits for the whole of it, so the short rank can allocate again; else
+        nothing (None). The estimate behind a skip cannot see every peak; this keeps
+        a wrong one from ending the run where the suspends would have made room."""
+        with self._lock:
+            if self.active:
+                return None
+            began = time.monotonic()
+            seen, late = self.store_exchange(f"short/{self.phase}", "1" if fell_short else "0")
+            if not seen or (not late and all(v == "0" for v in seen.values())):
+                return None
+            logger.warning("amem_callbacks: %s ran out of memory on rank(s) %s although the "
+                           "free memory looked enough; every rank suspends now and it "
+                           "allocates again", where,
+                           sorted(set(late) | {r for r, v in seen.items() if v != "0"}))
+            self._skipped_begins -= 1  # that skip did not stand
+            self._late_begins += 1
+            report = self._policy.begin(self.phase)
+            self._policy.wait()
+            self.waited["start"] += time.monotonic() - began
+            return self._record(where, report)
 
     def start_suspends(self, where: str = "") -> bool:
         """Not collective, never blocks: let the suspends a ``start(hold_s=...)``

@@ -395,6 +395,58 @@ def colocate_allocating(args):
     return {"baseline": baseline, "amem": run}
 
 
+class ShortWake(FakeLLM):
+    """vLLM's cuMem wake-up where the free memory fell short on one rank (or "all"): the
+    KV wake-ups listed in ``short_at`` (counted from 1) raise there as vLLM 0.31's does,
+    once each; the next call maps (vLLM maps what is still asleep). ``error`` replaces
+    the out-of-memory text (another failure)."""
+
+    def __init__(self, short_rank, short_at, error=None):
+        super().__init__()
+        self.short_rank, self.short_at, self.error = short_rank, set(short_at), error
+        self.kv_woken = 0  # KV wake-ups that mapped: the generation is the next one
+
+    def wake_up(self, tags=None):
+        if tags is None or "kv_cache" in tags:
+            generation = self.kv_woken + 1
+            if self.short_rank in (dist.get_rank(), "all") and generation in self.short_at:
+                self.short_at.discard(generation)
+                RECORDER.note("llm.wake_up fell short", tags=tags)
+                raise RuntimeError(self.error or "CUDA Error: out of memory at "
+                                   "/workspace/csrc/cumem_allocator.cpp:163")
+            self.kv_woken += 1
+        super().wake_up(tags)
+
+
+def colocate_short_wake(args):
+    """Colocate runs where every rank's begin before the KV wake-up is skipped from
+    the second generation on (the free memory, faked, fits), but one rank's wake-up
+    runs out of memory anyway at the generations ``short_at``."""
+    import amem_callbacks.adapters.trl as trl_adapter
+    import amem_callbacks.session as session_module
+
+    fake = scenario_prelude(args)
+    baseline = train(configure=configure_colocate, max_steps=3)
+    fake_cumem()
+    session_module.device_free_bytes = lambda device=None: 64 * 2**30
+    trl_adapter.gpu_total_bytes = lambda device=None: None
+
+    def configure(trainer):
+        configure_colocate(trainer)
+        trainer.vllm_generation.llm = ShortWake(args["short_rank"], args["short_at"],
+                                                args.get("error"))
+
+    options = {"backend": "fake", "agree_timeout_s": 20, "overlap": True}
+    try:
+        run = train(options, configure=configure, fake=fake, max_steps=3)
+    except RuntimeError as error:  # another failure than memory: it reaches the trainer
+        callback = RECORDER.callback
+        run = {"raised": str(error), "metrics": callback.metrics(),
+               "counters": callback.policy.metrics(last=False)}
+    del sys.modules["vllm.device_allocator.cumem"]
+    return {"baseline": baseline, "amem": run}
+
+
 def vllm_modes(args):
     """Server and colocate runs, each against a baseline without the callback."""
     fake = scenario_prelude(args)

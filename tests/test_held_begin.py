@@ -123,6 +123,8 @@ def test_a_start_told_what_comes_next_waits_only_for_what_the_free_memory_lacks(
     ({"allocating_bytes": -1}, "allocating_bytes"),
     ({"allocating_bytes": 1.5}, "allocating_bytes"),
     ({"allocating_bytes": 1, "need_bytes": 0}, "drop need_bytes"),
+    ({"allocating_bytes": 1, "margin_bytes": -1}, "margin_bytes"),
+    ({"allocating_bytes": 1, "margin_bytes": "256M"}, "margin_bytes"),
 ])
 def test_a_bad_allocating_start_fails_at_the_call_saying_what_to_write(kwargs, match):
     session = RolloutSession(OffloadPolicy(backend="noop"))

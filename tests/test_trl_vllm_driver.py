@@ -648,3 +648,82 @@ def test_merge_gives_a_generations_torch_peak_beside_its_free_memory_drop(tmp_pa
     run = drv.merge_run(prefix, meta={"ranks": 2, "rc": 0})
     assert run["generation_torch_peak_bytes"] == 3 * GIB
     assert run["generation_free_drop_bytes"] == 2 * GIB  # rank 1's; rank 0's 3 GiB is 1.5 its own
+
+
+LEAVES_A_RANK = """
+import subprocess, sys, time
+rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                        start_new_session=True)
+open(sys.argv[1], "w").write(str(rank.pid))
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("cut_off", [False, True])
+def test_a_run_is_ended_with_its_ranks_in_sessions_of_their_own(tmp_path, monkeypatch, cut_off):
+    """On the GPU machine (session L) a failed run's ranks, which torchrun starts in
+    sessions of their own, outlived the killpg of the run and held 78 GiB: the next two
+    runs ran out of memory at their model build. Every process of a run carries its
+    tag now and ends with it, whether the run ends by itself or is cut off; a process
+    in another session stands in for a rank here, the run's own for torchrun."""
+    captured = []
+    monkeypatch.setattr(drv, "orchestrate", lambda args: captured.append(args) or 0)
+    drv.main(["pairs", "--state", str(tmp_path)])
+    pid_file = tmp_path / "rank.pid"
+    real_popen, launched = drv.subprocess.Popen, []
+
+    def torchrun_standin(argv, **kwargs):
+        launched.append(argv)
+        return real_popen([sys.executable, "-c", LEAVES_A_RANK, str(pid_file),
+                           "120" if cut_off else "0.5"], **kwargs)
+
+    monkeypatch.setattr(drv.subprocess, "Popen", torchrun_standin)
+    spec = {"name": "leaves", "share": 0.1, "amem": False, "ballast_gib": 0.0}
+    folder = str(tmp_path / "run")
+    proc, argv, _log_path, log = drv.start_run(spec, captured[0], folder, dict(os.environ))
+    while not pid_file.exists() or not pid_file.read_text():
+        time.sleep(0.05)
+    rank = int(pid_file.read_text())
+    rc, hung = drv.wait_run(proc, folder, timeout_s=3 if cut_off else 60)
+    log.close()
+    assert "torch.distributed.run" in launched[0] and hung is cut_off
+    assert rc == (-9 if cut_off else 0)
+    assert not _running(rank)
+
+
+def test_the_orchestrator_does_not_start_a_run_beside_processes_that_hold_the_gpu(
+        tmp_path, monkeypatch, capsys):
+    """No run is recorded as failed for memory a previous run left held: the
+    orchestrator stops before it and names the holders."""
+    started = []
+    monkeypatch.setattr(drv, "start_run", lambda *a, **k: started.append(a))
+    monkeypatch.setattr(drv, "wait_for_free_gpu", lambda wait_s=60: [(3717, 41021)])
+    monkeypatch.setattr(common, "provenance", lambda driver: {"commit": "test"}, raising=False)
+    state, out = str(tmp_path / "state"), str(tmp_path / "out")
+    assert drv.main(["pairs", "--state", state, "--out", out, "--budget-s", "600"]) == 1
+    assert not started
+    printed = capsys.readouterr().out
+    assert "still hold GPU memory" in printed and "3717" in printed and "probe" in printed
+    assert json.load(open(os.path.join(out, "runs.json"))) == {}
+
+
+def test_gpu_holders_reads_nvidia_smi_and_is_empty_without_it(monkeypatch):
+    class Done:
+        returncode, stdout = 0, "3717, 41021\n3718, 38701\n"
+
+    monkeypatch.setattr(drv.subprocess, "run", lambda *a, **k: Done())
+    assert drv.gpu_holders() == [(3717, 41021), (3718, 38701)]
+
+    def missing(*a, **k):
+        raise FileNotFoundError("nvidia-smi")
+
+    monkeypatch.setattr(drv.subprocess, "run", missing)
+    assert drv.gpu_holders() == []

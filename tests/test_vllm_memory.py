@@ -88,3 +88,15 @@ def test_a_measured_generation_replaces_the_rest_of_vllms_budget(monkeypatch):
     monkeypatch.delitem(sys.modules, vm._CUMEM)
     assert vm.upcoming_bytes(["kv_cache"], 0.01, 80 * gib, generation_bytes=64 * MIB) \
         == int(0.01 * 80 * gib)
+
+
+@pytest.mark.parametrize("error, short", [
+    (RuntimeError("CUDA Error: out of memory at /workspace/csrc/cumem_allocator.cpp:163"), True),
+    (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), True),  # torch's text
+    (MemoryError("out of memory"), True),
+    (RuntimeError("CUDA Error: invalid argument at /workspace/csrc/cumem_allocator.cpp:258"),
+     False),
+    (ValueError("out of memory"), False),  # not an allocation's error type
+])
+def test_only_an_allocation_that_found_too_little_memory_counts_as_short(error, short):
+    assert vm.is_out_of_memory(error) is short

@@ -1225,8 +1225,15 @@ def start_run(spec: dict, args, folder: str, env: dict):
             "--work", os.path.join(folder, "work"), *driver_flags(args)]
     log_path = os.path.join(folder, "log.txt")
     log = open(log_path, "w")
-    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    # torchrun starts each rank in a session of its own: a killpg of the run misses them
+    # (measured: a failed run's ranks held 78 GiB after it, and the next two runs ran out
+    # of memory at their model build), so every process of the run carries a tag
+    from tests.gpu import megatron_runs
+
+    tag = f"{spec['name']}-{os.getpid()}-{time.time_ns()}"
+    proc = subprocess.Popen(argv, cwd=ROOT, env={**env, megatron_runs.RUN_TAG: tag}, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc.run_tag = tag
     return proc, argv, log_path, log
 
 
@@ -1245,21 +1252,50 @@ def failed_ranks(folder: str) -> list:
 def wait_run(proc, folder: str, timeout_s: float, grace_s: float = 45) -> tuple:
     """Exit code and whether it hung. A rank that failed writes its JSON and exits; its
     peers may wait in a collective for it: ``grace_s`` later the run is ended."""
-    began, failed_at = time.monotonic(), None
+    began, failed_at, hung = time.monotonic(), None, False
     while proc.poll() is None:
         now = time.monotonic()
         if failed_at is None and failed_ranks(folder):
             failed_at = now
         if now - began > timeout_s or (failed_at and now - failed_at > grace_s):
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            return proc.returncode, now - began > timeout_s
+            hung = now - began > timeout_s
+            break
         time.sleep(1)
     try:
-        os.killpg(proc.pid, signal.SIGKILL)  # leftovers of the session (compile workers)
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun's session (and compile workers)
     except ProcessLookupError:
         pass
-    return proc.returncode, False
+    proc.wait()
+    if getattr(proc, "run_tag", None):  # the ranks, in sessions of their own
+        from tests.gpu import megatron_runs
+
+        megatron_runs.kill_tagged(proc.run_tag)
+    return proc.returncode, hung
+
+
+def gpu_holders() -> list:
+    """(pid, MiB) of every process holding GPU memory, from nvidia-smi (no CUDA context
+    here); [] where there is no nvidia-smi."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                              "--format=csv,noheader,nounits"], capture_output=True,
+                             text=True, timeout=30, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    rows = [line.split(",") for line in out.stdout.splitlines() if line.strip()]
+    return [(int(pid), int(mib)) for pid, mib in rows if pid.strip().isdigit()
+            and mib.strip().isdigit()] if out.returncode == 0 else []
+
+
+def wait_for_free_gpu(wait_s: float = 60) -> list:
+    """Until no process holds GPU memory (a run's ranks take some seconds to release
+    it), at most ``wait_s``; returns the holders left."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        holders = gpu_holders()
+        if not holders or time.monotonic() >= deadline:
+            return holders
+        time.sleep(2)
 
 
 def gpu_total_now() -> Optional[int]:
@@ -1326,6 +1362,11 @@ def orchestrate(args) -> int:
             print(f"stopping: {left:.0f} s left of --budget-s, a run takes about {estimate:.0f} s; "
                   f"run the same command again for: {', '.join(state['next'])}")
             return 0
+        holders = wait_for_free_gpu()
+        if holders:  # a run beside them measures nothing: stop before it, not after
+            print(f"stopping: processes still hold GPU memory (pid, MiB): {holders}; end them "
+                  f"and run the same command again for: {', '.join(state['next'])}", flush=True)
+            return 1
         folder = os.path.join(args.state, "runs", spec["name"])
         shutil.rmtree(folder, ignore_errors=True)  # a run cut off by the last call starts over
         print(f"run {spec['name']}: share {spec['share']}, package {'on' if spec['amem'] else 'off'}, "
