@@ -32,6 +32,7 @@ sys.path.insert(0, ROOT)
 from amem_callbacks.tools.launch import free_port  # noqa: E402
 from tests.gpu import common  # noqa: E402
 from tests.gpu import trl_vllm_gpu as drv  # noqa: E402
+from tests.test_experiment_runs import alive  # noqa: E402 - a /proc reading, not the code tested
 
 GIB = 2**30
 DRIVER = os.path.join("tests", "gpu", "trl_vllm_gpu.py")
@@ -659,14 +660,6 @@ time.sleep(float(sys.argv[2]))
 """
 
 
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.parametrize("cut_off", [False, True])
 def test_a_run_is_ended_with_its_ranks_in_sessions_of_their_own(tmp_path, monkeypatch, cut_off):
     """On the GPU machine (session L) a failed run's ranks, which torchrun starts in
@@ -696,7 +689,7 @@ def test_a_run_is_ended_with_its_ranks_in_sessions_of_their_own(tmp_path, monkey
     log.close()
     assert "torch.distributed.run" in launched[0] and hung is cut_off
     assert rc == (-9 if cut_off else 0)
-    assert not _running(rank)
+    assert not alive(rank)
 
 
 def test_the_orchestrator_does_not_start_a_run_beside_processes_that_hold_the_gpu(
