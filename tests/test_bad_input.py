@@ -220,7 +220,9 @@ def test_metrics_say_inert_and_pending_and_give_the_last_finished_begin_and_end(
         session_only = {k for k in res["session"] if k.startswith("amem/total/caller_wait_")}
         assert len(session_only) == 3
         session_only.add("amem/total/begins_not_needed")  # a session's own skipped begins
+        session_only.add("amem/total/begins_after_short_allocation")  # and those made after all
         assert res["session"]["amem/total/begins_not_needed"] == 0
+        assert res["session"]["amem/total/begins_after_short_allocation"] == 0
         assert set(res["session"]) - session_only == set(settled)  # the same keys as plain torch
 
 

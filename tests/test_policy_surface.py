@@ -10,7 +10,7 @@ POLICY = {"options", "begin", "start_suspends", "end", "phase", "wait", "close",
           "groups", "view", "forget_learned"}
 SESSION = {"phase", "history", "waited", "start", "start_suspends", "stop", "settle",
            "wait_for_memory", "freed", "store_exchange", "store_barrier", "tell_headroom",
-           "free_here"}
+           "free_here", "start_if_any_rank_fell_short"}
 VIEWS = {"policy", "active", "headroom", "last_begin", "last_end", "metrics"}
 
 
