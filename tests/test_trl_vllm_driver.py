@@ -709,8 +709,8 @@ def test_the_orchestrator_does_not_start_a_run_beside_processes_that_hold_the_gp
 
 
 def test_gpu_holders_reads_nvidia_smi_and_is_empty_without_it(monkeypatch):
-    class Done:
-        returncode, stdout = 0, "3717, 41021\n3718, 38701\n"
+    class Done:  # the orchestrator's own CUDA context (gpu_total_now) is not in the way
+        returncode, stdout = 0, f"3717, 41021\n3718, 38701\n{os.getpid()}, 518\n"
 
     monkeypatch.setattr(drv.subprocess, "run", lambda *a, **k: Done())
     assert drv.gpu_holders() == [(3717, 41021), (3718, 38701)]

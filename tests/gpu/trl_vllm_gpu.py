@@ -1274,8 +1274,8 @@ def wait_run(proc, folder: str, timeout_s: float, grace_s: float = 45) -> tuple:
 
 
 def gpu_holders() -> list:
-    """(pid, MiB) of every process holding GPU memory, from nvidia-smi (no CUDA context
-    here); [] where there is no nvidia-smi."""
+    """(pid, MiB) of every other process holding GPU memory, from nvidia-smi (this one
+    may hold a CUDA context: gpu_total_now); [] where there is no nvidia-smi."""
     try:
         out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
                               "--format=csv,noheader,nounits"], capture_output=True,
@@ -1284,7 +1284,7 @@ def gpu_holders() -> list:
         return []
     rows = [line.split(",") for line in out.stdout.splitlines() if line.strip()]
     return [(int(pid), int(mib)) for pid, mib in rows if pid.strip().isdigit()
-            and mib.strip().isdigit()] if out.returncode == 0 else []
+            and mib.strip().isdigit() and int(pid) != os.getpid()] if out.returncode == 0 else []
 
 
 def wait_for_free_gpu(wait_s: float = 60) -> list:
