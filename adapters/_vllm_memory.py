@@ -90,5 +90,6 @@ def is_out_of_memory(error: BaseException) -> bool:
     """Whether ``error`` is a CUDA allocation that found too little free memory:
     vLLM's cuMem wake-up raises ``RuntimeError("CUDA Error: out of memory at
     .../cumem_allocator.cpp:...")`` (0.31, measured), torch its OutOfMemoryError (a
-    RuntimeError too). Nothing else counts: other failures are not the begin's to mend."""
-    return isinstance(error, (RuntimeError, MemoryError)) and "out of memory" in str(error).lower()
+    RuntimeError too). Nothing else counts: other failures are not the begin's to mend,
+    and the host's MemoryError least of all (a suspend copies to host memory)."""
+    return isinstance(error, RuntimeError) and "out of memory" in str(error).lower()
