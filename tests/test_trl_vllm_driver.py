@@ -708,6 +708,16 @@ def test_the_orchestrator_does_not_start_a_run_beside_processes_that_hold_the_gp
     assert json.load(open(os.path.join(out, "runs.json"))) == {}
 
 
+def test_the_cpu_modes_runs_wait_for_no_gpu(monkeypatch):
+    """On a GPU host the suite's own CUDA work holds GPU memory beside the CPU-mode
+    orchestrator, whose runs use none: it must not stop for it."""
+    monkeypatch.setattr(common, "ON_CPU", True)
+    monkeypatch.setattr(drv, "gpu_holders", lambda: [(1, 518)])
+    assert drv.wait_for_free_gpu(wait_s=0) == []
+    monkeypatch.setattr(common, "ON_CPU", False)
+    assert drv.wait_for_free_gpu(wait_s=0) == [(1, 518)]
+
+
 def test_gpu_holders_reads_nvidia_smi_and_is_empty_without_it(monkeypatch):
     class Done:  # the orchestrator's own CUDA context (gpu_total_now) is not in the way
         returncode, stdout = 0, f"3717, 41021\n3718, 38701\n{os.getpid()}, 518\n"
