@@ -382,7 +382,11 @@ def colocate_allocating(args):
 
     fake = scenario_prelude(args)
     baseline = train(configure=configure_colocate, max_steps=2)
-    fake_cumem()
+    # 300 MiB: with the 256 MiB margin more than one of the fake's two 480 MiB groups,
+    # so a begin that lacks it waits for both. Waiting for one, the other's suspend
+    # could end during generate, where the faked free memory (a constant) does not rise
+    # with it, and the next estimate would count those bytes as the generation's.
+    fake_cumem(kv_asleep_mib=300)
     session_module.device_free_bytes = lambda device=None: args["free"]
     # no GPU total unless ``total`` says (on a GPU host too): what comes is then the
     # faked KV cache alone; with one, vLLM's whole budget at the first generation

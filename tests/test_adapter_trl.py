@@ -150,11 +150,11 @@ def test_vllm_colocate_frees_memory_before_the_kv_cache_wakes_and_keeps_vllm_gro
         assert_same_training(run, res["colocate"]["baseline"])
 
 
-@pytest.mark.parametrize("free, waited", [(64 * 2**30, 0), (0, (200 + 256) * 2**20),
+@pytest.mark.parametrize("free, waited", [(64 * 2**30, 0), (0, (300 + 256) * 2**20),
                                           (None, None)])
 def test_vllm_colocate_waits_only_for_what_vllms_kv_wake_up_lacks(free, waited):
     """The begin before vLLM's KV wake-up reads what vLLM maps (its allocator's
-    sleeping KV cache, 200 MiB here) and waits only for what the free memory lacks
+    sleeping KV cache, 300 MiB here) and waits only for what the free memory lacks
     (with the adapter's 256 MiB margin); unknown free memory waits for all, as before. Where
     nothing lacks on any rank, the second generation suspends nothing at all."""
     for res in results("colocate_allocating", backend="fake", free=free):
@@ -183,8 +183,8 @@ def test_vllm_colocate_waits_only_for_what_vllms_kv_wake_up_lacks(free, waited):
 def test_a_later_generation_counts_what_the_last_one_took_not_vllms_whole_budget():
     """At the first generation only vLLM's whole budget bounds what comes (0.3 of an
     80 GiB GPU less the 300 MiB of weights mapped: more than the 8 GiB free), so the
-    begin waits; that generation then took nothing beyond its 200 MiB KV wake-up, so
-    the next one counts 200 MiB and every rank skips its begin."""
+    begin waits; that generation then took nothing beyond its 300 MiB KV wake-up, so
+    the next one counts 300 MiB and every rank skips its begin."""
     budget = int(0.3 * 80 * 2**30) - 300 * 2**20
     for res in results("colocate_allocating", backend="fake", free=8 * 2**30,
                        total=80 * 2**30):
