@@ -76,13 +76,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from tests.gpu.short_wake import parse_short_wake  # noqa: E402 - after the path is set
+
 GIB = 2**30
 #: the share TRL's GRPOConfig defaults to (vllm_gpu_memory_utilization)
 TRL_DEFAULT_SHARE = 0.3
 SYNC_ROLE = "trl_vllm_sync"  # the spies' gloo barriers run on it while generating
 DRIVER = "tests/gpu/trl_vllm_gpu.py"  # as common.provenance names it
-CODE_FILES = ("tests/gpu/trl_vllm_gpu.py", "tests/gpu/vllm_bundle.py", "adapters/trl.py",
-              "adapters/_trl_groups.py", "amem_callbacks/headroom.py")
+CODE_FILES = ("tests/gpu/trl_vllm_gpu.py", "tests/gpu/short_wake.py", "tests/gpu/vllm_bundle.py",
+              "adapters/trl.py", "adapters/_trl_groups.py", "amem_callbacks/headroom.py")
 
 # --- vLLM's own log lines ------------------------------------------------------------
 # vLLM 0.31.0's format strings (0.34.0's too):
@@ -525,18 +527,20 @@ def torch_reserved_peak() -> int:
     return torch.cuda.memory_stats().get("reserved_bytes.all.peak", 0)
 
 
-def spy(trainer, rec: Recorder, sync, synced_sleep: bool, memory_now) -> None:
+def spy(trainer, rec: Recorder, barrier, synced_sleep: bool, memory_now,
+        short_wake=None) -> None:
     """Wrap vLLM's wake_up, generate and sleep and trl's weight sync on this trainer
     with plain functions: AMemCallback wraps wake_up and generate again at the first
     generation (it skips a wrapper of its own kind only), so its begin runs before
     these and the figures read here are taken after its suspends.
 
-    ``sync`` (a gloo group): barriers at the KV wake-up, so the GPU-wide free memory is
-    read with every rank at the same point, and (``synced_sleep``, ranks sharing a GPU)
-    before sleep, which asserts that the GPU's free memory rose: another rank's
-    wake-up at that moment would trip it."""
-    import torch.distributed as dist
-
+    ``barrier()`` (over a gloo group): at the KV wake-up, so the GPU-wide free memory
+    is read with every rank at the same point, and (``synced_sleep``, ranks sharing a
+    GPU) before sleep, which asserts that the GPU's free memory rose: another rank's
+    wake-up at that moment would trip it. A KV wake-up the package calls again after
+    it ran out of memory (only the short ranks do) is the same generation's: no new
+    record, no barrier. ``short_wake`` (tests/gpu/short_wake.ShortWake) takes memory
+    before the first attempt of the wake-up it is set for."""
     vg = trainer.vllm_generation
     llm = vg.llm
     wake_up, generate, sleep, sync_weights = llm.wake_up, llm.generate, llm.sleep, vg.sync_weights
@@ -552,20 +556,39 @@ def spy(trainer, rec: Recorder, sync, synced_sleep: bool, memory_now) -> None:
         _, seconds = timed(sync_weights, *args, **kwargs)
         rec.pending["sync_weights_s"] = seconds
 
+    kv_wake_failed = []  # this generation's KV wake-up ran out of memory: a retry comes
+
     def spied_wake_up(*args, **kwargs):
         tags = kwargs.get("tags", args[0] if args else None)
-        rec.note("wake_up", tags=list(tags) if tags else None)
         kv = tags is None or "kv_cache" in tags
-        if kv:
+        retry = kv and bool(kv_wake_failed)
+        rec.note("wake_up retry" if retry else "wake_up", tags=list(tags) if tags else None)
+        if retry:
+            gen = rec.current()
+        elif kv:
             gen = rec.generation_starts(trainer.state.global_step)
-            dist.barrier(group=sync)
+            if short_wake is not None:
+                taken = short_wake.before_wake(len(rec.generations), tags, memory_now())
+                if taken is not None:
+                    gen["short_wake"] = taken
+            barrier()
             gen["free_before_kv_wake"] = memory_now()
             rec.stage = "vLLM KV-cache wake-up"
         else:
             gen = rec.pending
             rec.stage = "vLLM weights wake-up"
-        result, seconds = timed(wake_up, *args, **kwargs)
-        gen["wake_kv_s" if kv else "wake_weights_s"] = seconds
+        try:
+            result, seconds = timed(wake_up, *args, **kwargs)
+        except Exception as error:
+            if kv:
+                kv_wake_failed.append(True)
+                gen.setdefault("kv_wake_failures", []).append(f"{type(error).__name__}: "
+                                                              f"{error}"[:300])
+            raise
+        kv_wake_failed.clear()
+        if short_wake is not None and kv and short_wake.after_wake():
+            gen["short_wake"]["released_after_attempts"] = 1 + len(gen.get("kv_wake_failures", []))
+        gen[("wake_kv_retry_s" if retry else "wake_kv_s") if kv else "wake_weights_s"] = seconds
         if kv:
             rec.phase = "generation"
             gen["free_after_kv_wake"] = memory_now()
@@ -593,7 +616,7 @@ def spy(trainer, rec: Recorder, sync, synced_sleep: bool, memory_now) -> None:
         rec.note("sleep", level=level)
         rec.phase = "train"
         if synced_sleep:
-            dist.barrier(group=sync)
+            barrier()
         rec.stage = "vLLM sleep"
         result, seconds = timed(sleep, *args, **kwargs)
         rec.current()["sleep_s"] = seconds
@@ -602,6 +625,25 @@ def spy(trainer, rec: Recorder, sync, synced_sleep: bool, memory_now) -> None:
 
     llm.wake_up, llm.generate, llm.sleep = spied_wake_up, spied_generate, spied_sleep
     vg.sync_weights = spied_sync_weights
+
+
+def forced_short_wake(args, rank: int, ranks_on_gpu: int, device: int, callback, out: dict):
+    """``--short-wake G:R``: the ShortWake that takes memory at that KV wake-up (on a
+    GPU a real allocation; in the CPU mode, where the package never skips a begin,
+    a ledger in the rank JSON)."""
+    if args.short_wake is None:
+        return None
+    from amem_callbacks.adapters._vllm_memory import wake_bytes
+    from tests.gpu.common import ON_CPU
+    from tests.gpu.short_wake import ShortWake, device_taker, stand_in_taker
+
+    def begin_skipped() -> bool:  # this generation's begin did not run
+        session = getattr(callback, "session", None)
+        return session is not None and not session.active
+
+    take = stand_in_taker(out.setdefault("short_wake_ledger", [])) if ON_CPU else \
+        device_taker(device)
+    return ShortWake(args.short_wake, rank, ranks_on_gpu, take, begin_skipped, wake_bytes)
 
 
 def record_transitions(rec: Recorder) -> None:
@@ -672,6 +714,8 @@ def amem_record(callback, rec: Recorder) -> Optional[dict]:
             "waited": dict(callback.session.waited),
             "begins_not_needed": callback.session.metrics().get(
                 "amem/total/begins_not_needed"),
+            "begins_after_short_allocation": callback.session.metrics().get(
+                "amem/total/begins_after_short_allocation"),
             "counters": callback.policy.metrics(last=False)}
 
 
@@ -801,7 +845,9 @@ def run_rank(args) -> int:
         sync = gloo_group()
         name_group(sync, SYNC_ROLE)
         out["ranks_on_gpu"] = shared
-        spy(trainer, rec, sync, synced_sleep=shared > 1, memory_now=memory_now)
+        spy(trainer, rec, lambda: dist.barrier(group=sync), synced_sleep=shared > 1,
+            memory_now=memory_now, short_wake=forced_short_wake(args, rank, shared, device,
+                                                                callback, out))
         rec.stage = "train"
         rec.start_sampler()
         trainer.train()
@@ -1461,6 +1507,9 @@ def add_run_flags(p, *, orchestrator: bool) -> None:
         p.add_argument("--ballast-gib", type=float, default=0.0,
                        help="device memory each rank holds for the whole run")
         p.add_argument("--work", default="/tmp/amem-trl-vllm")
+        p.add_argument("--short-wake", type=parse_short_wake, metavar="G:R",
+                       help="take GPU memory before generation G's KV wake-up on rank R, "
+                            "where the package skipped its begin (tests/gpu/short_wake.py)")
 
 
 def main(argv: Optional[list] = None) -> int:

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Runs of tests/gpu/trl_vllm_gpu.py by hand, one after another on one GPU (issue 34),
+# with the KV-bound workload of results/one_h100/trl_vllm_colocate_kv:
+#
+#   eval "$(python3 tests/gpu/vllm_bundle.py env)"
+#   bash tests/gpu/vllm_series.sh DIR GIT_SHA "NAME FLAGS..." ["NAME FLAGS..." ...]
+#
+# e.g. "sw-default --share 0.027 --amem --ballast-gib 29.476 --short-wake 2:1".
+# Before each run, whatever still holds GPU memory is ended (a failed run's ranks live
+# in sessions of their own; never `pkill -f`, which matched its own shell); each run is
+# bounded (SERIES_RUN_S, default 240 s). DIR/NAME gets the log, the rank JSONs and
+# merged.json (trl_vllm_gpu.py merge), and DIR/series.tgz all of them (no model folders).
+set -u
+dir=$1 sha=$2
+shift 2
+workload="--steps ${SERIES_STEPS:-48} --batch 4 --steps-per-generation 16 --num-generations 8
+  --completion-length 1024 --max-model-len 2048 --prompt-words 16 --hidden 1024 --layers 24
+  --heads 8 --kv-heads 8 --gradient-checkpointing --git-head $sha"
+port=29610
+for spec in "$@"; do
+  read -r name flags <<<"$spec"
+  run="$dir/$name"
+  mkdir -p "$run"
+  nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | xargs -r kill -9
+  sleep 3
+  port=$((port + 1))
+  began=$(date +%s)
+  # shellcheck disable=SC2086 - the flags are words
+  timeout -k 10 "${SERIES_RUN_S:-240}" python3 -m torch.distributed.run --nproc-per-node 2 \
+    --master-port "$port" tests/gpu/trl_vllm_gpu.py run "$run/rank" --work "$run/work" \
+    $flags $workload </dev/null >"$run/log.txt" 2>&1
+  rc=$?
+  echo "== $name rc=$rc $(( $(date +%s) - began )) s: $flags"
+  grep -E "^rank [0-9]:" "$run/log.txt" | tail -2
+  python3 tests/gpu/trl_vllm_gpu.py merge "$run/rank" --log "$run/log.txt" >"$run/merged.json" \
+    2>"$run/merge-error.txt" </dev/null || echo "   merge failed: $(tail -1 "$run/merge-error.txt")"
+  rm -rf "$run/work"
+done
+nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | xargs -r kill -9
+tar czf "$dir/series.tgz" -C "$dir" --exclude=series.tgz .
