@@ -164,3 +164,17 @@ def test_a_wake_up_that_fails_for_good_is_raised_and_recorded(monkeypatch):
     with pytest.raises(RuntimeError, match="out of memory"):
         llm.wake_up(tags=["kv_cache"])
     assert len(rec.generations) == 1 and len(rec.generations[0]["kv_wake_failures"]) == 1
+
+
+def test_a_series_set_on_one_card_fills_a_larger_one_the_same_way():
+    from tests.gpu.vllm_series_scale import scaled
+
+    h100, h200 = 85017493504, 150109749248
+    flags = scaled(["--share", "0.027", "--amem", "--ballast-gib", "29.476", "--short-wake",
+                    "2:1"], h100, h200)
+    share, ballast = float(flags[1]), float(flags[4])
+    assert abs(share * h200 - 0.027 * h100) < 1e-6 * h200  # vLLM's budget: the same bytes
+    # what is left beside vLLM and the ballasts: the same bytes on both cards
+    assert abs((h200 - 2 * ballast * GIB) - (h100 - 2 * 29.476 * GIB)) < 0.01 * GIB
+    assert flags[2:4] == ["--amem", "--ballast-gib"] and flags[5:] == ["--short-wake", "2:1"]
+    assert scaled(["--share", "0.027"], h100, h100) == ["--share", "0.027000"]

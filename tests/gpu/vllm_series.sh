@@ -10,15 +10,29 @@
 # in sessions of their own; never `pkill -f`, which matched its own shell); each run is
 # bounded (SERIES_RUN_S, default 240 s). DIR/NAME gets the log, the rank JSONs and
 # merged.json (trl_vllm_gpu.py merge), and DIR/series.tgz all of them (no model folders).
+#
+# SERIES_SCALE_FROM=BYTES (a card of another size than the one the shares were set on,
+# e.g. 85017493504, torch's total of one H100 80GB): each --share S becomes
+# S x BYTES / this card's total (vLLM's budget, share x total, stays the same bytes)
+# and each --ballast-gib B gets (this total - BYTES) / 2 ranks added (the rest of the
+# card stays as full), so the runs fill the larger card as they filled the smaller.
 set -u
 dir=$1 sha=$2
 shift 2
+total=""
+if [ -n "${SERIES_SCALE_FROM:-}" ]; then
+  total=$(python3 -c "import torch; print(torch.cuda.mem_get_info()[1])" </dev/null)
+  echo "scaling the shares and ballasts from a ${SERIES_SCALE_FROM}-byte card to this ${total}-byte one"
+fi
 workload="--steps ${SERIES_STEPS:-48} --batch 4 --steps-per-generation 16 --num-generations 8
   --completion-length 1024 --max-model-len 2048 --prompt-words 16 --hidden 1024 --layers 24
   --heads 8 --kv-heads 8 --gradient-checkpointing --git-head $sha"
 port=29610
 for spec in "$@"; do
   read -r name flags <<<"$spec"
+  if [ -n "$total" ]; then
+    flags=$(python3 tests/gpu/vllm_series_scale.py "$SERIES_SCALE_FROM" "$total" $flags)
+  fi
   run="$dir/$name"
   mkdir -p "$run"
   nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | xargs -r kill -9
