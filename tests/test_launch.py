@@ -51,3 +51,36 @@ def test_without_a_gpu_the_tools_run_cpu_ranks(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     layout = plan_ranks(None)
     assert layout.gpus == 0 and layout.ranks == 2 and not layout.on_gpu and not layout.refused
+
+
+def test_free_port_draws_below_the_ephemeral_range_and_binds():
+    """Below the range the kernel hands outgoing connections: a store's port is
+    not taken by a gloo rank's connection between the draw and torchrun's bind."""
+    import socket
+
+    from amem_callbacks.tools import launch
+
+    low = launch._ephemeral_low()
+    for _ in range(20):
+        port = launch.free_port()
+        if low is not None:
+            assert low - launch.PORTS_BELOW_EPHEMERAL <= port < low
+        with socket.socket() as s:
+            s.bind(("", port))
+
+
+def test_free_port_falls_back_to_the_kernels_choice(monkeypatch, tmp_path):
+    import socket
+
+    from amem_callbacks.tools import launch
+
+    monkeypatch.setattr(launch, "EPHEMERAL_RANGE_FILE", str(tmp_path / "missing"))
+    assert launch._ephemeral_low() is None
+    port = launch.free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+    (tmp_path / "range").write_text("32768\t60999\n")
+    monkeypatch.setattr(launch, "EPHEMERAL_RANGE_FILE", str(tmp_path / "range"))
+    monkeypatch.setattr(launch, "_binds", lambda port: False)  # nothing below binds
+    assert launch._ephemeral_low() == 32768
+    assert launch.free_port(tries=3) > 0

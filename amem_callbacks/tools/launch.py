@@ -26,13 +26,50 @@ MULTI_RANK_MIN_VERSION = (2, 30, 0)
 MULTI_RANK_ENV = {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}
 
 
-def free_port() -> int:
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+#: how far below the ephemeral range free_port looks
+PORTS_BELOW_EPHEMERAL = 12000
+
+
+def free_port(tries: int = 64) -> int:
     """A TCP port free on this host now, for a c10d store the tools start (the one
-    helper of the package, the tests and the GPU drivers; a port can be taken again
-    between this call and the bind, which the callers' short windows make rare)."""
+    helper of the package, the tests and the GPU drivers).
+
+    Drawn below the kernel's ephemeral range: a port the kernel hands out (bind to
+    0) is also what it gives the next outgoing connection, and with dozens of gloo
+    ranks connecting, one took a store's port between this call and torchrun's
+    bind (EADDRINUSE in CI). Where the range is unknown, or nothing below it binds,
+    the kernel's choice."""
+    import random
+
+    low = _ephemeral_low()
+    if low is not None and low > 1024 + 64:
+        draw = random.SystemRandom()
+        for _ in range(tries):
+            port = draw.randrange(max(1024, low - PORTS_BELOW_EPHEMERAL), low)
+            if _binds(port):
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> Optional[int]:
+    try:
+        with open(EPHEMERAL_RANGE_FILE) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _binds(port: int) -> bool:
+    """Whether a store could listen on ``port`` now (every address, as torch's does)."""
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+        return True
 
 
 def gather_ints(values: list, group) -> list:
