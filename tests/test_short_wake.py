@@ -38,6 +38,24 @@ def test_the_run_command_refuses_a_bad_flag_at_start_up(capsys):
     assert "must be at least 2" in capsys.readouterr().err
 
 
+def test_the_gpu_taker_holds_an_allocation_until_release(monkeypatch):
+    """Its lines, on CPU memory: on a GPU the same allocation is on "cuda:N"."""
+    import gc
+    import weakref
+
+    import torch
+
+    made, real_empty = [], torch.empty
+    monkeypatch.setattr(torch, "empty",
+                        lambda *a, **k: made.append(real_empty(*a, **k)) or made[-1])
+    release = sw.device_taker("cpu")(1 << 20)
+    tensor = weakref.ref(made.pop())
+    assert tensor() is not None and tensor().numel() == 1 << 20
+    release()
+    gc.collect()
+    assert tensor() is None  # nothing holds it once released
+
+
 def short(at=(2, 1), rank=1, skipped=True, need=GIB, ranks_on_gpu=2):
     ledger = []
     wake = sw.ShortWake(at, rank, ranks_on_gpu, sw.stand_in_taker(ledger), lambda: skipped,
@@ -102,7 +120,8 @@ class FakeLLM:
     def wake_up(self, tags=None):
         self.calls.append(list(tags or []))
         if "kv_cache" in (tags or []) and sum(self.ledger) > self.room:
-            raise RuntimeError("CUDA Error: out of memory at /workspace/csrc/cumem_allocator.cpp:163")
+            raise RuntimeError("CUDA Error: out of memory at "
+                               "/workspace/csrc/cumem_allocator.cpp:163")
 
     def generate(self, prompts, sampling_params=None, use_tqdm=False):
         out = types.SimpleNamespace(token_ids=[1, 2, 3])

@@ -89,13 +89,13 @@ class ShortWake:
         return True
 
 
-def device_taker(device: int) -> Callable:
-    """``take`` on a GPU: a torch allocation on ``device``, handed back to CUDA at
-    release (the caching allocator would keep it otherwise)."""
+def device_taker(device: str) -> Callable:
+    """``take`` on a GPU: a torch allocation on ``device`` ("cuda:N"), handed back to
+    CUDA at release (the caching allocator would keep it otherwise)."""
     def take(nbytes: int) -> Callable:
         import torch
 
-        held = [torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{device}")]
+        held = [torch.empty(nbytes, dtype=torch.uint8, device=device)]
 
         def release() -> None:
             held.clear()

@@ -642,7 +642,7 @@ def forced_short_wake(args, rank: int, ranks_on_gpu: int, device: int, callback,
         return session is not None and not session.active
 
     take = stand_in_taker(out.setdefault("short_wake_ledger", [])) if ON_CPU else \
-        device_taker(device)
+        device_taker(f"cuda:{device}")
     return ShortWake(args.short_wake, rank, ranks_on_gpu, take, begin_skipped, wake_bytes)
 
 
