@@ -730,3 +730,33 @@ def test_gpu_holders_reads_nvidia_smi_and_is_empty_without_it(monkeypatch):
 
     monkeypatch.setattr(drv.subprocess, "run", missing)
     assert drv.gpu_holders() == []
+
+
+def test_the_series_script_runs_merges_and_packs_each_run(tmp_path, fake_nccl_dir):
+    """tests/gpu/vllm_series.sh (the hand runs of results/one_h100/trl_vllm_colocate_kv)
+    on CPU: its run line, its merge and its archive, with a tiny workload; in the CPU
+    mode it ends no GPU holder (on a GPU host the suite itself may be one)."""
+    import tarfile
+
+    from tests.requires import skip_unless_installed
+
+    skip_unless_installed("trl")
+    env = dict(cpu_env(), PYTHON=sys.executable, SERIES_PORT=str(free_port()),
+               SERIES_RUN_S="400", SERIES_WORKLOAD=" ".join(TINY))
+    done = subprocess.run(["bash", "tests/gpu/vllm_series.sh", str(tmp_path), "0" * 40,
+                           "tiny-amem --share 0.25 --amem --short-wake 2:1"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=LIMIT_S,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "== tiny-amem rc=0" in done.stdout, done.stdout
+    merged = json.load(open(tmp_path / "tiny-amem" / "merged.json"))
+    assert merged["ok"] and merged["ranks_reported"] == [0, 1]
+    rank1 = json.load(open(tmp_path / "tiny-amem" / "rank.rank1.json"))
+    assert rank1["args"]["short_wake"] == [2, 1]
+    # the CPU mode's begins never skip, so nothing was taken: the record says why
+    assert rank1["generations"][1]["short_wake"]["why_not"].startswith("the begin ran")
+    assert rank1["short_wake_ledger"] == []
+    with tarfile.open(tmp_path / "series.tgz") as tar:
+        names = tar.getnames()
+    assert "./tiny-amem/rank.rank0.json" in names and "./tiny-amem/merged.json" in names
+    assert not any("/work" in n for n in names)

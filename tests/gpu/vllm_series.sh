@@ -19,36 +19,45 @@
 set -u
 dir=$1 sha=$2
 shift 2
+python=${PYTHON:-python3}
 total=""
 if [ -n "${SERIES_SCALE_FROM:-}" ]; then
-  total=$(python3 -c "import torch; print(torch.cuda.mem_get_info()[1])" </dev/null)
+  total=$("$python" -c "import torch; print(torch.cuda.mem_get_info()[1])" </dev/null)
   echo "scaling the shares and ballasts from a ${SERIES_SCALE_FROM}-byte card to this ${total}-byte one"
 fi
-workload="--steps ${SERIES_STEPS:-48} --batch 4 --steps-per-generation 16 --num-generations 8
+# SERIES_WORKLOAD replaces the workload's flags (tests/test_short_wake.py: a tiny one on CPU)
+workload="${SERIES_WORKLOAD:---steps 48 --batch 4 --steps-per-generation 16 --num-generations 8
   --completion-length 1024 --max-model-len 2048 --prompt-words 16 --hidden 1024 --layers 24
-  --heads 8 --kv-heads 8 --gradient-checkpointing --git-head $sha"
-port=29610
+  --heads 8 --kv-heads 8 --gradient-checkpointing} --git-head $sha"
+port=${SERIES_PORT:-29610}  # each run the next one
+end_gpu_holders() {  # not in the CPU mode: on a GPU host its caller (pytest) may hold the GPU
+  if [ "${AMEM_GPU_DRIVER_ON_CPU:-}" != 1 ]; then
+    nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | xargs -r kill -9
+  fi
+}
 for spec in "$@"; do
   read -r name flags <<<"$spec"
   if [ -n "$total" ]; then
-    flags=$(python3 tests/gpu/vllm_series_scale.py "$SERIES_SCALE_FROM" "$total" $flags)
+    flags=$("$python" tests/gpu/vllm_series_scale.py "$SERIES_SCALE_FROM" "$total" $flags)
   fi
   run="$dir/$name"
   mkdir -p "$run"
-  nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | xargs -r kill -9
+  end_gpu_holders
   sleep 3
-  port=$((port + 1))
   began=$(date +%s)
   # shellcheck disable=SC2086 - the flags are words
-  timeout -k 10 "${SERIES_RUN_S:-240}" python3 -m torch.distributed.run --nproc-per-node 2 \
+  timeout -k 10 "${SERIES_RUN_S:-240}" "$python" -m torch.distributed.run --nproc-per-node 2 \
     --master-port "$port" tests/gpu/trl_vllm_gpu.py run "$run/rank" --work "$run/work" \
     $flags $workload </dev/null >"$run/log.txt" 2>&1
   rc=$?
   echo "== $name rc=$rc $(( $(date +%s) - began )) s: $flags"
   grep -E "^rank [0-9]:" "$run/log.txt" | tail -2
-  python3 tests/gpu/trl_vllm_gpu.py merge "$run/rank" --log "$run/log.txt" >"$run/merged.json" \
+  "$python" tests/gpu/trl_vllm_gpu.py merge "$run/rank" --log "$run/log.txt" >"$run/merged.json" \
     2>"$run/merge-error.txt" </dev/null || echo "   merge failed: $(tail -1 "$run/merge-error.txt")"
   rm -rf "$run/work"
+  port=$((port + 1))
 done
-nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | xargs -r kill -9
-tar czf "$dir/series.tgz" -C "$dir" --exclude=series.tgz .
+end_gpu_holders
+# written beside DIR, then moved in: an archive growing inside the folder it reads
+# changes that folder under tar ("file changed as we read it", exit 1)
+tar czf "$dir.series.tgz" -C "$dir" --exclude=series.tgz . && mv "$dir.series.tgz" "$dir/series.tgz"
