@@ -760,3 +760,27 @@ def test_the_series_script_runs_merges_and_packs_each_run(tmp_path, fake_nccl_di
         names = tar.getnames()
     assert "./tiny-amem/rank.rank0.json" in names and "./tiny-amem/merged.json" in names
     assert not any("/work" in n for n in names)
+
+
+def test_the_pairs_set_each_run_with_the_package_beside_its_pair_without_it():
+    oom = {"kind": "cuMem out of memory (sleep-mode wake-up)", "line": "CUDA Error: out of memory"}
+    runs = {"default-base-0": run_row("default", False, loss=[0.1] * 4),
+            "default-amem-0": run_row("default", True, loss=[0.1] * 4, mean_step_s=2.2),
+            "default-base-1": run_row("default", False, loss=[0.1] * 4, mean_step_s=2.5),
+            "default-amem-1": run_row("default", True, loss=[0.1] * 4, ok=False),
+            "raised-base-0": run_row("raised", False, ok=False, failed={"oom": oom}),
+            "raised-amem-0": run_row("raised", True, loss=[0.1] * 4, mean_step_s=1.6,
+                                     tokens_per_s=1500.0),
+            "raised-amem-1": run_row("raised", True, loss=[0.1] * 3, mean_step_s=1.0),
+            "raised-amem-2": run_row("raised", True, loss=[0.1] * 4)}  # no default-base-2
+    got = drv.interleaved_pairs(runs)
+    assert [(p["with"], p["without"], p["counts"]) for p in got["default"]["pairs"]] == [
+        ("default-amem-0", "default-base-0", True)]  # a failed run with it pairs with none
+    # the raised share's run without it failed: the default share's is what it is set beside
+    assert [(p["with"], p["without"], p["counts"]) for p in got["raised"]["pairs"]] == [
+        ("raised-amem-0", "default-base-0", True), ("raised-amem-1", "default-base-1", False)]
+    assert got["raised"]["counted"] == 1  # another step count is no pair
+    assert got["raised"]["mean_step_s"] == {"median": 0.8, "min": 0.8, "max": 0.8}
+    assert got["raised"]["tokens_per_s"]["median"] == 1.5
+    assert got["default"]["mean_step_s"]["median"] == 1.1
+    assert drv.summarise({"runs": runs})["pairs"] == got

@@ -1196,8 +1196,7 @@ def summarise(state: dict) -> dict:
                          for k in reference}
                 rows[name] = {"amem": side == "amem", "share": r.get("share"), "ok": r["ok"],
                               "kv_cache_tokens": r.get("kv_cache_tokens"),
-                              "kv_cache_gib": (r["kv_cache_bytes"] / GIB
-                                               if r.get("kv_cache_bytes") else None),
+                              "kv_cache_gib": _gib(r.get("kv_cache_bytes")),
                               "tokens_per_s": r.get("tokens_per_s"),
                               "mean_step_s": r.get("mean_step_s"),
                               "generation_step_s": r.get("generation_step_s"),
@@ -1239,7 +1238,47 @@ def summarise(state: dict) -> dict:
             "raised_share_fails_without_by_variant": fails_without,
             "raised_share_runs_with": runs_with, "failure_lines": lines,
             "max_loss_difference_at_one_share": same_share_losses,
+            "pairs": interleaved_pairs(runs),
             "runs_done": sorted(runs), "runs_planned_next": state.get("next", [])}
+
+
+PAIR_KEYS = ("kv_cache_tokens", "tokens_per_s", "mean_step_s")
+
+
+def interleaved_pairs(runs: dict) -> dict:
+    """Each run with the package against the run without it of the same pair index:
+    at the same share where that run finished, else (the raised share ran out of
+    memory without the package) at the default share, which is what such a user
+    runs. A pair counts only where both ran the same number of steps (a run's mean
+    step includes its start-up's share). Per variant: the pairs, and the median and
+    range of each ratio over the pairs that count."""
+    out = {}
+    for name in sorted(runs):
+        run = runs[name]
+        variant, _, index = name.rpartition("-amem-")
+        if not (variant and index.isdigit() and run.get("amem") and run.get("ok")):
+            continue
+        without = f"{variant}-base-{index}"
+        if not (runs.get(without) or {}).get("ok"):
+            without = f"default-base-{index}"
+        against = runs.get(without) or {}
+        if not against.get("ok"):
+            continue
+        steps = (len(run.get("loss") or []), len(against.get("loss") or []))
+        ratio = {k: (round(run[k] / against[k], 4) if run.get(k) and against.get(k) else None)
+                 for k in PAIR_KEYS}
+        out.setdefault(variant, {"pairs": []})["pairs"].append(
+            {"with": name, "without": without, "without_share": against.get("share"),
+             "steps": list(steps), "counts": steps[0] == steps[1] and steps[0] > 0,
+             "ratio": ratio})
+    for rows in out.values():
+        counted = [p["ratio"] for p in rows["pairs"] if p["counts"]]
+        rows["counted"] = len(counted)
+        for k in PAIR_KEYS:
+            vals = sorted(r[k] for r in counted if r[k] is not None)
+            rows[k] = ({"median": round(statistics.median(vals), 4), "min": vals[0],
+                        "max": vals[-1]} if vals else None)
+    return out
 
 
 def _gib(nbytes: Optional[int]) -> Optional[float]:
