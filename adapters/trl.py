@@ -13,6 +13,7 @@ from amem_callbacks.errors import AdapterError, OptionError
 from amem_callbacks.groups import keep_name, register_roles
 from amem_callbacks.headroom import gpu_total_bytes
 from amem_callbacks.log import logger
+from amem_callbacks.memory import torch_reserved_bytes
 from amem_callbacks.options import OffloadOptions, check_bool, map_options
 from amem_callbacks.patching import Patches
 from amem_callbacks.session import RolloutSession, SessionViews
@@ -80,8 +81,8 @@ class AMemCallback(TrainerCallback, SessionViews):
         self._settle_after_generate = True
         self._headroom_from = None  # the begin the headroom line is read from
         self._free_at_fullest = None  # this rank's free memory after vLLM generated
-        self._at_kv_wake = None  # (free memory, bytes the begin had freed) after the wake-up
-        self._generation_bytes = None  # the most a generation took beyond its KV wake-up
+        self._at_kv_wake = None  # torch's reserved bytes after the KV wake-up
+        self._generation_bytes = None  # what the last generation took beyond its KV wake-up
 
     # --- finding and handing over the trainer ------------------------------
     def on_init_end(self, args, state, control, **kwargs):
@@ -270,7 +271,7 @@ class AMemCallback(TrainerCallback, SessionViews):
             result = (self._wake_after_skipped_begin(original, args, kwargs) if skipped
                       else original(*args, **kwargs))
             if self._inside_generate and self.session is not None:
-                self._at_kv_wake = (self.session.free_here(), self.session.freed().nbytes)
+                self._at_kv_wake = torch_reserved_bytes(self.options.device)
             return result
 
         llm = vllm_generation.llm
@@ -300,19 +301,23 @@ class AMemCallback(TrainerCallback, SessionViews):
     def _generated(self) -> None:
         """vLLM is at its fullest now (cache mapped, activations cached by torch's
         allocator) and sleeps next: what stays free bounds the headroom line, and
-        what the generation took beyond its KV wake-up (the free memory's drop, plus
-        what suspends finished meanwhile gave back) joins the next begin's estimate."""
+        what the generation took beyond its KV wake-up joins the next begin's estimate.
+        That take is read from torch's allocator (this process's), not from the free
+        memory: where ranks share a GPU, another rank's KV wake-up landing between
+        the two readings moved the free memory (one H100: a take of 0.25 GiB read as
+        0.75 GiB, and the next begin suspended for nothing, results/one_h100/
+        trl_vllm_colocate_kv default-amem-2)."""
         at_wake, self._at_kv_wake = self._at_kv_wake, None
         if not self._inside_generate or self.session is None:
             return
-        free = self._free_at_fullest = self.session.free_here()
-        if at_wake is not None and at_wake[0] is not None and free is not None:
-            took = at_wake[0] - free + (self.session.freed().nbytes - at_wake[1])
+        self._free_at_fullest = self.session.free_here()
+        now = torch_reserved_bytes(self.options.device)
+        if at_wake is not None and now is not None:
             # the last generation's, not the largest: what a generation allocates
-            # stays allocated through vLLM's sleep, so the next one takes only what is
-            # new (one H100: 0.23 GiB at the first, 2 MiB at each later one,
-            # results/one_h100/trl_vllm_colocate_kv); a larger one shows again
-            self._generation_bytes = max(took, 0)
+            # stays reserved through vLLM's sleep, so the next one takes only what is
+            # new (one H100: 0.25 GiB at the first, 2 MiB at each later one); a
+            # larger one shows again
+            self._generation_bytes = max(now - at_wake, 0)
 
     def _hook_server(self, vllm_generation) -> None:
         """Rank 0 suspends right before its request to the server; the other ranks

@@ -25,6 +25,16 @@ def device_free_bytes(device: Optional[int] = None) -> Optional[int]:
     return torch.cuda.mem_get_info(device)[0]
 
 
+def torch_reserved_bytes(device: Optional[int] = None) -> Optional[int]:
+    """What torch's caching allocator holds from CUDA on ``device`` for this process
+    (every pool); None where torch has not initialised CUDA. Unlike the free memory,
+    other processes on the same GPU do not move it."""
+    if not is_cuda_initialized():
+        return None
+    torch = loaded_torch()
+    return torch.cuda.memory_reserved(torch.cuda.current_device() if device is None else device)
+
+
 def current_device() -> Optional[int]:
     """The current CUDA device where torch has initialised CUDA, else None."""
     if not is_cuda_initialized():

@@ -387,14 +387,40 @@ def colocate_allocating(args):
     # could end during generate, where the faked free memory (a constant) does not rise
     # with it, and the next estimate would count those bytes as the generation's.
     fake_cumem(kv_asleep_mib=300)
-    session_module.device_free_bytes = lambda device=None: args["free"]
+    free = {"now": args["free"]}
+    session_module.device_free_bytes = lambda device=None: free["now"]
+    # torch's allocator (CPU has none): grows by ``generation_mib`` in the first generate
+    reserved = {"now": 0}
+    trl_adapter.torch_reserved_bytes = lambda device=None: reserved["now"]
+
+    class Measured(FakeLLM):
+        """``neighbour_mib``: another rank on the GPU maps its KV cache while this one
+        generates (the free memory drops by that until the next wake-up); it is not this
+        rank's take."""
+        generations = 0
+
+        def wake_up(self, tags=None):
+            free["now"] = args["free"]
+            super().wake_up(tags)
+
+        def generate(self, *a, **k):
+            self.generations += 1
+            if self.generations == 1:
+                reserved["now"] += args.get("generation_mib", 0) * MIB
+            if free["now"] is not None:
+                free["now"] -= args.get("neighbour_mib", 0) * MIB
+            return super().generate(*a, **k)
+
+    def configure(trainer):
+        configure_colocate(trainer)
+        trainer.vllm_generation.llm = Measured()
     # no GPU total unless ``total`` says (on a GPU host too): what comes is then the
     # faked KV cache alone; with one, vLLM's whole budget at the first generation
     trl_adapter.gpu_total_bytes = lambda device=None: args.get("total")
     # the headroom line's GPU: 80 GiB (the free memory after generate bounds the raise)
     headroom_module.gpu_total_bytes = lambda device=None: 80 * 2**30
     options = {"backend": "fake", "agree_timeout_s": 20, "overlap": True}
-    run = train(options, configure=configure_colocate, fake=fake, max_steps=2)
+    run = train(options, configure=configure, fake=fake, max_steps=2)
     del sys.modules["vllm.device_allocator.cumem"]
     return {"baseline": baseline, "amem": run}
 
@@ -433,6 +459,7 @@ def colocate_short_wake(args):
     baseline = train(configure=configure_colocate, max_steps=3)
     fake_cumem()
     session_module.device_free_bytes = lambda device=None: 64 * 2**30
+    trl_adapter.torch_reserved_bytes = lambda device=None: 0  # no generation takes more
     trl_adapter.gpu_total_bytes = lambda device=None: None
 
     def configure(trainer):

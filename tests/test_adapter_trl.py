@@ -197,6 +197,22 @@ def test_a_later_generation_counts_what_the_last_one_took_not_vllms_whole_budget
         assert_same_training(run, res["baseline"])
 
 
+@pytest.mark.parametrize("neighbour_mib, generation_mib, later_begins", [
+    (0, 0, 0), (63 * 1024, 0, 0), (0, 64 * 1024, 1)])
+def test_the_next_estimate_counts_this_ranks_own_take_not_its_neighbours(
+        neighbour_mib, generation_mib, later_begins):
+    """What a generation took beyond its KV wake-up is read from this process's torch
+    allocator: another rank on the GPU mapping its KV cache meanwhile (the free memory
+    drops by 63 of 64 GiB) leaves the next begin skipped; this rank's own 64 GiB take
+    makes it suspend."""
+    for res in results("colocate_allocating", backend="fake", free=64 * 2**30,
+                       neighbour_mib=neighbour_mib, generation_mib=generation_mib):
+        run = res["amem"]
+        assert run["counters"]["amem/total/begins"] == 1 + later_begins
+        assert run["metrics"]["amem/total/begins_not_needed"] == 1 - later_begins
+        assert_same_training(run, res["baseline"])
+
+
 @pytest.mark.parametrize("short_rank, short_at", [(1, (2,)), (0, (2, 3))])
 def test_a_kv_wake_up_that_falls_short_after_a_skipped_begin_suspends_then_wakes_again(
         short_rank, short_at):

@@ -35,14 +35,14 @@ def test_every_check_before_torch_is_imported_says_false_and_imports_nothing():
         print(a.is_torch_importable(), 'torch' in sys.modules)
         from amem_callbacks import memory, headroom
         print(memory.device_free_bytes(), memory.current_device(), memory.empty_cache(),
-              headroom.gpu_total_bytes(), 'torch' in sys.modules)
+              headroom.gpu_total_bytes(), memory.torch_reserved_bytes(), 'torch' in sys.modules)
         import torch
         print(a.is_torch_loaded(), a.is_distributed_available(),
               a.is_cuda_available() == torch.cuda.is_available())
     """)
     assert out.splitlines() == ["False None False False False False",
                                 "True False",
-                                "None None None None False",
+                                "None None None None None False",
                                 "True True True"]
 
 
@@ -150,10 +150,21 @@ def test_memory_readings_without_cuda_start_nothing(torch_cuda, monkeypatch):
 
     monkeypatch.setattr(torch_cuda, "is_available", lambda: False)
     assert memory.device_free_bytes() is None and memory.current_device() is None
-    assert headroom.gpu_total_bytes() is None
+    assert headroom.gpu_total_bytes() is None and memory.torch_reserved_bytes() is None
     memory.empty_cache()
     with memory.on_device(0):  # no CUDA: no device switch, no error
         pass
+
+
+def test_torch_reserved_bytes_reads_the_given_device_or_the_current_one(torch_cuda, monkeypatch):
+    """The line the TRL adapter runs on a GPU, against torch's own functions faked."""
+    from amem_callbacks import memory
+
+    monkeypatch.setattr(memory, "is_cuda_initialized", lambda: True)
+    monkeypatch.setattr(torch_cuda, "memory_reserved", lambda device: 1000 + device)
+    monkeypatch.setattr(torch_cuda, "current_device", lambda: 3)
+    assert memory.torch_reserved_bytes(1) == 1001
+    assert memory.torch_reserved_bytes() == 1003
 
 
 #: Modules that import torch at the top on purpose: each runs only in a rank

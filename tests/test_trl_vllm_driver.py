@@ -539,7 +539,15 @@ def test_merge_counts_a_rank_that_wrote_nothing_and_reads_its_line_from_the_log(
     whole = drv.merge_run(os.path.join(cpu_runs["state"], "runs", "default-amem-0", "rank"),
                           meta={"ranks": 2, "rc": 0})
     assert whole["ok"] and whole["ranks_reported"] == [0, 1] and whole["nccl_bytes"] > 0
-    assert whole["loss"] == rank0["loss"]
+    assert whole["loss"] == rank0["loss"] and "cut_after_finishing" not in whole
+    # the series' bound cut the launcher after every rank wrote all its steps: the run
+    # stands, and says so; a rank short of its steps leaves it failed
+    cut = drv.merge_run(os.path.join(cpu_runs["state"], "runs", "default-amem-0", "rank"),
+                        meta={"ranks": 2, "rc": 124, "hung": True})
+    assert cut["ok"] and cut["cut_after_finishing"] and cut["rc"] == 124
+    with open(f"{prefix}.rank1.json", "w") as f:
+        json.dump(dict(rank0, loss=rank0["loss"][:-1]), f)
+    assert not drv.merge_run(prefix, meta={"ranks": 2, "rc": 124})["ok"]
 
 
 def test_a_tree_that_is_not_pip_installed_is_told_to_install_it():

@@ -920,7 +920,13 @@ def merge_run(prefix: str, log_lines=(), meta: Optional[dict] = None) -> dict:
     world = (meta or {}).get("ranks") or (max(ranks) + 1 if ranks else 0)
     missing = [r for r in range(world) if r not in ranks]
     rc, hung = run.get("rc"), run.get("hung")
-    ok = not failures and not missing and rc in (0, None) and not hung
+    # every rank wrote its figures after its last step, none failed: a bound that then
+    # cut the launcher's exit (vLLM's engines shutting down) took nothing from the run
+    finished = bool(ranks) and not failures and not missing and all(
+        len(d.get("loss") or []) == (d.get("args") or {}).get("steps") for d in ranks.values())
+    ok = not failures and not missing and (rc in (0, None) and not hung or finished)
+    if ok and rc not in (0, None):
+        run["cut_after_finishing"] = True
     oom = next((f["oom"] for f in failures.values() if f.get("oom")), None) or log_failure
     run.update(ok=ok, ranks_reported=sorted(ranks), ranks_missing=missing,
                failed=None if ok else {
