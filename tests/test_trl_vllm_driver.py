@@ -548,6 +548,9 @@ def test_merge_counts_a_rank_that_wrote_nothing_and_reads_its_line_from_the_log(
     with open(f"{prefix}.rank1.json", "w") as f:
         json.dump(dict(rank0, loss=rank0["loss"][:-1]), f)
     assert not drv.merge_run(prefix, meta={"ranks": 2, "rc": 124})["ok"]
+    # a run that wrote no rank JSON at all (the series' merge gives no world size) is no
+    # good run (session N's cut runs read "ok" before)
+    assert not drv.merge_run(str(tmp_path / "none" / "rank"))["ok"]
 
 
 def test_a_tree_that_is_not_pip_installed_is_told_to_install_it():

@@ -922,9 +922,10 @@ def merge_run(prefix: str, log_lines=(), meta: Optional[dict] = None) -> dict:
     rc, hung = run.get("rc"), run.get("hung")
     # every rank wrote its figures after its last step, none failed: a bound that then
     # cut the launcher's exit (vLLM's engines shutting down) took nothing from the run
-    finished = bool(ranks) and not failures and not missing and all(
-        len(d.get("loss") or []) == (d.get("args") or {}).get("steps") for d in ranks.values())
-    ok = not failures and not missing and (rc in (0, None) and not hung or finished)
+    clean = bool(ranks) and not failures and not missing
+    finished = clean and all(len(d.get("loss") or []) == (d.get("args") or {}).get("steps")
+                             for d in ranks.values())
+    ok = clean and rc in (0, None) and not hung or finished
     if ok and rc not in (0, None):
         run["cut_after_finishing"] = True
     oom = next((f["oom"] for f in failures.values() if f.get("oom")), None) or log_failure
