@@ -770,7 +770,22 @@ def test_the_series_script_runs_merges_and_packs_each_run(tmp_path, fake_nccl_di
     with tarfile.open(tmp_path / "series.tgz") as tar:
         names = tar.getnames()
     assert "./tiny-amem/rank.rank0.json" in names and "./tiny-amem/merged.json" in names
+    assert "./tiny-amem/rc.txt" in names  # how the run ended, for the merge below
     assert not any("/work" in n for n in names)
+    # the series folded into a results folder: the run's row carries its own arguments
+    from tests.gpu import vllm_series_merge
+
+    results = tmp_path / "results"
+    summary = vllm_series_merge.fold(str(results), [str(tmp_path / "series.tgz")], "session T t1")
+    row = json.load(open(results / "state.json"))["runs"]["tiny-amem"]
+    assert (row["ok"], row["rc"], row["amem"], row["share"], row["variant"]) == (
+        True, 0, True, 0.25, "tiny")
+    assert row["series"] == "session T t1" and row["command"].startswith("python")
+    assert summary["runs_done"] == ["tiny-amem"]
+    with tarfile.open(results / "logs.tgz") as tar:
+        assert "./tiny-amem/rank.rank1.json" in tar.getnames()
+    with pytest.raises(SystemExit, match="a run named tiny-amem already"):
+        vllm_series_merge.fold(str(results), [str(tmp_path / "series.tgz")], "session T t2")
 
 
 def test_the_pairs_set_each_run_with_the_package_beside_its_pair_without_it():
@@ -795,3 +810,39 @@ def test_the_pairs_set_each_run_with_the_package_beside_its_pair_without_it():
     assert got["raised"]["tokens_per_s"]["median"] == 1.5
     assert got["default"]["mean_step_s"]["median"] == 1.1
     assert drv.summarise({"runs": runs})["pairs"] == got
+
+
+def test_the_series_merge_leaves_out_a_run_cut_mid_training_and_keeps_a_failed_one(tmp_path):
+    """A run the series' bound cut before it finished, with no out-of-memory line, says
+    nothing about fitting (left out, with why); one that ran out of memory is a result."""
+    from tests.gpu import vllm_series_merge
+
+    def series_run(name, rc, loss_steps, failed=None):
+        folder = tmp_path / "series" / name
+        folder.mkdir(parents=True)
+        (folder / "log.txt").write_text("starting\n")
+        (folder / "rc.txt").write_text(f"{rc} 200\n")
+        for rank in (0, 1):
+            (folder / f"rank.rank{rank}.json").write_text(json.dumps({
+                "world": 2, "command": "python3 -m torch.distributed.run ...",
+                "args": {"share": 0.0426, "amem": "-amem-" in name,
+                         "ballast_gib": 29.476, "steps": 48},
+                "loss": [0.1] * loss_steps, "failed": failed if rank == 0 else None}))
+
+    series_run("raised_headroom-amem-0", 124, 20)  # cut at step 20 of 48
+    series_run("raised_headroom-base-0", 1, 16, failed={
+        "stage": "generate", "error": "RuntimeError: CUDA Error: out of memory",
+        "oom": {"kind": "cuMem out of memory (sleep-mode wake-up)",
+                "line": "CUDA Error: out of memory at cumem_allocator.cpp:163"}})
+    results = tmp_path / "results"
+    summary = vllm_series_merge.fold(str(results), [str(tmp_path / "series")], "session T t1")
+    state = json.load(open(results / "state.json"))
+    assert list(state["runs"]) == ["raised_headroom-base-0"]
+    assert state["runs"]["raised_headroom-base-0"]["variant"] == "raised_headroom"
+    assert state["shares"] == {"raised_headroom": 0.0426}
+    assert list(state["left_out"]) == ["session T t1: raised_headroom-amem-0"]
+    assert state["left_out"]["session T t1: raised_headroom-amem-0"].startswith("cut at 200.0 s")
+    assert summary["raised_share_fails_without"] is True
+    assert summary["failure_lines"]["raised_headroom"] == [
+        {"kind": "cuMem out of memory (sleep-mode wake-up)",
+         "line": "CUDA Error: out of memory at cumem_allocator.cpp:163"}]

@@ -50,7 +50,10 @@ for spec in "$@"; do
     --master-port "$port" tests/gpu/trl_vllm_gpu.py run "$run/rank" --work "$run/work" \
     $flags $workload </dev/null >"$run/log.txt" 2>&1
   rc=$?
-  echo "== $name rc=$rc $(( $(date +%s) - began )) s: $flags"
+  seconds=$(( $(date +%s) - began ))
+  # what tests/gpu/vllm_series_merge.py needs beside the rank JSONs: how the run ended
+  printf '%s %s\n' "$rc" "$seconds" >"$run/rc.txt"
+  echo "== $name rc=$rc $seconds s: $flags"
   grep -E "^rank [0-9]:" "$run/log.txt" | tail -2
   "$python" tests/gpu/trl_vllm_gpu.py merge "$run/rank" --log "$run/log.txt" >"$run/merged.json" \
     2>"$run/merge-error.txt" </dev/null || echo "   merge failed: $(tail -1 "$run/merge-error.txt")"

@@ -1,0 +1,166 @@
+"""Folds the runs of tests/gpu/vllm_series.sh into a results folder (issue 34):
+
+    python3 tests/gpu/vllm_series_merge.py RESULTS_DIR SERIES [SERIES ...] --label "session O o1"
+
+SERIES is a series.tgz (or the folder it packs). Each run folder becomes one row of
+RESULTS_DIR/state.json "runs" (trl_vllm_gpu.merge_run, with its share, package side and
+ballast from the rank JSONs' own arguments, how it ended from rc.txt, its log's tail),
+then summary.json (trl_vllm_gpu.summarise, with "pairs"), runs.json and logs.tgz are
+written again. A run the series' bound cut mid-training, with no out-of-memory line, says
+nothing about fitting: it goes to "left_out" with why, not to the runs. Sessions L-N
+merged by hand; the same steps, written once."""
+import argparse
+import io
+import json
+import os
+import re
+import sys
+import tarfile
+import tempfile
+from typing import Optional
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from tests.gpu import trl_vllm_gpu as drv  # noqa: E402
+
+#: the exit statuses of a bound that cut the run (timeout's own, and its -k kill)
+CUT = (124, 137)
+#: what a run keeps of its log beside the figures (the rest is in logs.tgz)
+LOG_TAIL_LINES = 40
+
+
+def run_folders(root: str) -> list:
+    return sorted(n for n in os.listdir(root)
+                  if os.path.isdir(os.path.join(root, n))
+                  and os.path.exists(os.path.join(root, n, "log.txt")))
+
+
+def rank_args(folder: str) -> dict:
+    for name in sorted(os.listdir(folder)):
+        if name.startswith("rank.rank") and name.endswith(".json"):
+            with open(os.path.join(folder, name)) as f:
+                return json.load(f)
+    return {}
+
+
+def ended(folder: str) -> tuple:
+    """(rc, seconds) from the series' rc.txt; (None, None) where the series was cut first."""
+    try:
+        with open(os.path.join(folder, "rc.txt")) as f:
+            rc, seconds = f.read().split()
+        return int(rc), float(seconds)
+    except (OSError, ValueError):
+        return None, None
+
+
+def merge_folder(folder: str, name: str, label: str) -> dict:
+    with open(os.path.join(folder, "log.txt"), errors="replace") as f:
+        lines = f.read().splitlines()
+    first = rank_args(folder)
+    args = first.get("args") or {}
+    # series names read VARIANT-amem-N / VARIANT-base-N (the pairs' own naming)
+    named = re.fullmatch(r"(.+?)-(amem|base)(?:-\d+)?", name)
+    variant = named.group(1) if named else name
+    rc, seconds = ended(folder)
+    meta = {"name": name, "share": args.get("share"),
+            "amem": bool(args["amem"]) if "amem" in args else bool(named) and named.group(2) == "amem",
+            "ballast_gib": args.get("ballast_gib"), "variant": variant,
+            "rc": rc, "hung": rc in CUT, "ranks": first.get("world") or 2,
+            "command": first.get("command"), "seconds": seconds}
+    run = drv.merge_run(os.path.join(folder, "rank"), lines, meta)
+    run["log_tail"] = "\n".join(lines[-LOG_TAIL_LINES:])
+    run["series"] = label
+    return run
+
+
+def left_out_why(run: dict) -> Optional[str]:
+    """Why a run says nothing about fitting, or None where it counts (ok, or failed)."""
+    if run["ok"] or (run.get("failed") or {}).get("oom"):
+        return None
+    if run.get("rc") in CUT or run.get("rc") is None:
+        return (f"cut at {run.get('seconds')} s by the series' bound before it finished, "
+                f"no out-of-memory line (ranks reported: {run.get('ranks_reported')})")
+    return None
+
+
+def repack_logs(archive: str, additions: list) -> None:
+    """logs.tgz again with (arcname, folder) added: the log, rank JSONs and merged.json."""
+    members = []
+    if os.path.exists(archive):
+        with tarfile.open(archive) as old:
+            for m in old.getmembers():
+                data = old.extractfile(m).read() if m.isfile() else None
+                members.append((m, data))
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(archive) or ".", suffix=".tgz")
+    os.close(fd)
+    with tarfile.open(tmp, "w:gz") as new:
+        for m, data in members:
+            new.addfile(m, io.BytesIO(data) if data is not None else None)
+        for arcname, folder in additions:
+            for leaf in sorted(os.listdir(folder)):
+                if leaf == "log.txt" or leaf == "merged.json" or leaf.startswith("rank.rank"):
+                    new.add(os.path.join(folder, leaf), arcname=f"./{arcname}/{leaf}")
+    os.replace(tmp, archive)
+
+
+def fold(results: str, series: list, label: str) -> dict:
+    os.makedirs(results, exist_ok=True)
+    path = os.path.join(results, "state.json")
+    state = {"runs": {}, "shares": {}, "left_out": {}}
+    if os.path.exists(path):
+        with open(path) as f:
+            state = json.load(f)
+    state.setdefault("shares", {})
+    state.setdefault("left_out", {})
+    additions = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for i, source in enumerate(series):
+            root = source
+            if os.path.isfile(source):
+                root = os.path.join(scratch, str(i))
+                with tarfile.open(source) as tar:
+                    tar.extractall(root, filter="data")
+            for name in run_folders(root):
+                run = merge_folder(os.path.join(root, name), name, label)
+                why = left_out_why(run)
+                if why:
+                    key = f"{label}: {name}"
+                    state["left_out"][key] = why
+                    additions.append((f"left-out-{label.split()[-1]}-{name}", os.path.join(root, name)))
+                    print(f"{name}: left out ({why})")
+                    continue
+                if name in state["runs"]:
+                    raise SystemExit(f"{results} has a run named {name} already: "
+                                     "rename the series run (the next pair index)")
+                state["runs"][name] = run
+                if run.get("share") is not None:
+                    state["shares"].setdefault(run["variant"], run["share"])
+                additions.append((name, os.path.join(root, name)))
+                print(f"{name}: ok={run['ok']} KV {run.get('kv_cache_tokens')} tokens, "
+                      f"{run.get('tokens_per_s')} tokens/s, mean step {run.get('mean_step_s')} s")
+        repack_logs(os.path.join(results, "logs.tgz"), additions)
+    summary = drv.summarise(state)
+    summary["left_out"] = state["left_out"]
+    for leaf, body in (("state.json", state), ("summary.json", summary),
+                       ("runs.json", state["runs"])):
+        with open(os.path.join(results, leaf), "w") as f:
+            json.dump(body, f, indent=1, sort_keys=True)
+            f.write("\n")
+    return summary
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("results")
+    p.add_argument("series", nargs="+", help="series.tgz files or the folders they pack")
+    p.add_argument("--label", required=True, help='e.g. "session O o1": where the runs came from')
+    args = p.parse_args(argv)
+    summary = fold(args.results, args.series, args.label)
+    print(json.dumps({"pairs": summary["pairs"],
+                      "raised_share_fails_without": summary["raised_share_fails_without"]},
+                     indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
