@@ -144,7 +144,7 @@ def fold(results: str, series: list, label: str) -> dict:
     for leaf, body in (("state.json", state), ("summary.json", summary),
                        ("runs.json", state["runs"])):
         with open(os.path.join(results, leaf), "w") as f:
-            json.dump(body, f, indent=1, sort_keys=True)
+            json.dump(body, f, indent=1)
             f.write("\n")
     return summary
 
