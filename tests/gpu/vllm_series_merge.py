@@ -35,7 +35,8 @@ def run_folders(root: str) -> list:
                   and os.path.exists(os.path.join(root, n, "log.txt")))
 
 
-def rank_args(folder: str) -> dict:
+def first_rank(folder: str) -> dict:
+    """The lowest rank's JSON (its arguments, world size, launcher command); {} if none."""
     for name in sorted(os.listdir(folder)):
         if name.startswith("rank.rank") and name.endswith(".json"):
             with open(os.path.join(folder, name)) as f:
@@ -56,7 +57,7 @@ def ended(folder: str) -> tuple:
 def merge_folder(folder: str, name: str, label: str) -> dict:
     with open(os.path.join(folder, "log.txt"), errors="replace") as f:
         lines = f.read().splitlines()
-    first = rank_args(folder)
+    first = first_rank(folder)
     args = first.get("args") or {}
     # series names read VARIANT-amem-N / VARIANT-base-N (the pairs' own naming)
     named = re.fullmatch(r"(.+?)-(amem|base)(?:-\d+)?", name)
