@@ -63,8 +63,9 @@ def merge_folder(folder: str, name: str, label: str) -> dict:
     named = re.fullmatch(r"(.+?)-(amem|base)(?:-\d+)?", name)
     variant = named.group(1) if named else name
     rc, seconds = ended(folder)
+    by_name = bool(named) and named.group(2) == "amem"  # where no rank wrote its arguments
     meta = {"name": name, "share": args.get("share"),
-            "amem": bool(args["amem"]) if "amem" in args else bool(named) and named.group(2) == "amem",
+            "amem": bool(args["amem"]) if "amem" in args else by_name,
             "ballast_gib": args.get("ballast_gib"), "variant": variant,
             "rc": rc, "hung": rc in CUT, "ranks": first.get("world") or 2,
             "command": first.get("command"), "seconds": seconds}
@@ -127,7 +128,8 @@ def fold(results: str, series: list, label: str) -> dict:
                 if why:
                     key = f"{label}: {name}"
                     state["left_out"][key] = why
-                    additions.append((f"left-out-{label.split()[-1]}-{name}", os.path.join(root, name)))
+                    kept_as = f"left-out-{label.split()[-1]}-{name}"
+                    additions.append((kept_as, os.path.join(root, name)))
                     print(f"{name}: left out ({why})")
                     continue
                 if name in state["runs"]:
