@@ -1257,8 +1257,8 @@ def interleaved_pairs(runs: dict) -> dict:
     at the same share where that run finished, else (the raised share ran out of
     memory without the package) at the default share, which is what such a user
     runs. A pair counts only where both ran the same number of steps (a mean step
-    over 32 steps weighs its generations otherwise than one over 48). Per variant: the pairs, and the median and
-    range of each ratio over the pairs that count."""
+    over 32 steps weighs its generations otherwise than one over 48). Per variant:
+    the pairs, and the median and range of each ratio over the pairs that count."""
     out = {}
     for name in sorted(runs):
         run = runs[name]
