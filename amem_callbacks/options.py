@@ -259,6 +259,11 @@ class OffloadOptions:
             "group_id": 1}}``.
         device: the CUDA device of this rank's communicators; default: the
             current device of the thread that calls the first ``begin``.
+        reuse_host_backup: keep the pinned host memory NCCL backs a suspended
+            communicator up into, from a resume to the next suspend, instead
+            of NCCL pinning and unpinning it every time (the slow part of a
+            transition); at most what one begin suspends on this rank.
+            ``AMEM_HOST_BACKUP=0`` in the environment also turns it off.
 
     Example:
         >>> options = OffloadOptions(keep=["tp"], overlap=True)
@@ -280,12 +285,13 @@ class OffloadOptions:
     groups: Optional[tuple] = None
     backend_options: Mapping = dataclasses.field(default_factory=dict)
     device: Optional[int] = None
+    reuse_host_backup: bool = True
 
     def __post_init__(self):
         _check_backend(self.backend)
         guard_mode(self.guard)
         self._check_numbers()
-        for name in ("overlap", "learn_keep"):
+        for name in ("overlap", "learn_keep", "reuse_host_backup"):
             check_bool(name, getattr(self, name))
         set_ = object.__setattr__  # frozen: store the normalised forms once
         set_(self, "keep", normalise_keep(self.keep))

@@ -20,6 +20,7 @@ import time
 import weakref
 from typing import Optional
 
+from . import host_backup
 from .backends import select_backend
 from .decide import Setup, agree_setup, plan_begin
 from .availability import is_cuda_available, is_distributed_initialized
@@ -85,6 +86,9 @@ class OffloadPolicy:
         # the latest (number, report) pairs: metrics() shows the last finished
         # begin and end, while a later one may still run (a begin and an end at most)
         self._recent: collections.deque = collections.deque(maxlen=6)
+        # before the first communicator: NCCL's runtime must find the hook when it starts
+        host_backup.prepare(self.options)
+        self._backup_bound = 0  # the most one begin suspended on this rank (bytes)
 
     # --- public: options, the phase, the views, the figures ------------------
     # Options are read from ``policy.options``. Everything else of the policy
@@ -245,6 +249,9 @@ class OffloadPolicy:
             for name, count in groups.items():
                 out[f"{prefix}learned/{phase}/{name}"] = count
         out[prefix + "inert"] = int(self._inert)
+        if self.options.reuse_host_backup and not self._inert and \
+                host_backup.applies_to(self._backend):
+            out.update(host_backup.metrics(prefix))
         out[prefix + "pending"] = int(any(report.pending for _n, report in self._recent))
         if last:
             for kind in (Kind.BEGIN, Kind.END):
@@ -254,10 +261,12 @@ class OffloadPolicy:
         return out
 
     def close(self) -> None:
-        """End an active phase (collective) and wait for pending work."""
+        """End an active phase (collective), wait for pending work, and unpin the host
+        backup kept for the next suspend."""
         if self._phase is not None:
             self.end()
         self.wait()
+        host_backup.release()
 
     # --- internals -------------------------------------------------------
     # What the first begin set up (None, "" or False before it). The figures
@@ -314,6 +323,10 @@ class OffloadPolicy:
         report.hold_s = hold_s
         plan = plan_begin(self._setup, self.options, phase,
                           {**self._learned.reasons(phase), **self._transitions.broken()})
+        if self.options.reuse_host_backup:
+            planned = sum(s.nbytes or 0 for s in plan.suspend)
+            self._backup_bound = max(self._backup_bound, planned)
+            host_backup.bound(self._backup_bound)
         before = self._transitions.held_ids()
         submitted = None
         try:
@@ -466,6 +479,9 @@ class OffloadPolicy:
         self._check_device()  # before any agreement: nothing is set up if it fails
         self._pending = None
         self._setup = agree_setup(self.options, select_backend)
+        if not self._setup.inert:
+            host_backup.prepare(self.options, self._setup.backend)
+            host_backup.tell_once(self.options, self._setup.backend)
         self._transitions = None if self._setup.inert else Transitions(
             self._setup, self.options, self._counters)
 

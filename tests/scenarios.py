@@ -60,14 +60,16 @@ class FakeNccl:
     made = 0
 
     def __init__(self, variant: str = "suspend", sizes: dict = None, default_mib: int = 480,
-                 peers: bool = False):
+                 peers: bool = False, backup: tuple = None):
         """``peers``: each group's suspends and resumes wait for all its members, as
         NCCL's do (tests/fake_nccl/fake_nccl.c, "Peers"), through a folder this job's
         ranks agree on over the default store. Off by default: with it, the scenarios
         that inject an error on one rank (``inject``) wait for a member that never comes,
         the package's repair of a one-rank failure (a resume on the ranks that
         suspended, a retried resume on the rank that failed) being a call only some
-        members make; what real NCCL does there is not measured."""
+        members make; what real NCCL does there is not measured. ``backup``: with the
+        "runtime" variant, ``(entries, entry_bytes)`` each communicator's suspends copy to
+        pinned host blocks through the stand-in driver, as NCCL's do."""
         tripwire.install()  # idempotent; main() installs it first for every scenario
         self.variant = variant
         FakeNccl.made += 1
@@ -77,6 +79,7 @@ class FakeNccl:
         self.library = NcclLibrary.open(self.path)
         self.sizes = sizes or {}
         self.default_mib = default_mib
+        self.backup = backup
         self.comms = {}  # group name (role or desc) -> fake comm
 
     def handle_of(self, group):
@@ -87,6 +90,8 @@ class FakeNccl:
         if name not in self.comms:
             size = self.sizes.get(name, self.default_mib)
             self.comms[name] = self.controls.create(int(size * MiB))
+            if self.backup:
+                self.controls.set_backup(self.comms[name], *self.backup)
             if self.peer_folder and dist.get_world_size(group) > 1:
                 self.controls.set_peers(self.comms[name], os.path.join(self.peer_folder, name),
                                         dist.get_rank(group), dist.get_world_size(group))

@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
+from .. import host_backup
 from ..availability import is_cuda_available, loaded_torch
 from ..errors import BackendUnavailable, NcclError
 from ..nccl_library import (
@@ -212,28 +213,32 @@ class NcclBackend(Backend):
                 memory = replace(memory, unreached_bytes=extra, unreached_why=handle.unreached_why)
         return memory
 
+    # Each NCCL call runs inside a host-backup window: the blocks NCCL pins for a
+    # suspend may come from those its last resume freed (host_backup.py).
     def suspend(self, handle) -> None:
-        if not isinstance(handle, CommHandle):
-            self.library.comm_suspend(handle)
-        elif handle.path is Path.TORCH:
-            handle.torch_backend.suspend()
-        else:
-            ptr = handle.current("suspend")
-            self.library.comm_suspend(ptr)
-            handle.suspended_ptr = ptr
+        with host_backup.window(host_backup.SUSPEND):
+            if not isinstance(handle, CommHandle):
+                self.library.comm_suspend(handle)
+            elif handle.path is Path.TORCH:
+                handle.torch_backend.suspend()
+            else:
+                ptr = handle.current("suspend")
+                self.library.comm_suspend(ptr)
+                handle.suspended_ptr = ptr
 
     def resume(self, handle) -> None:
-        if not isinstance(handle, CommHandle):
-            self.library.comm_resume(handle)
-        elif handle.path is Path.TORCH:
-            handle.torch_backend.resume()
-        else:
-            ptr = handle.current("resume")
-            if handle.suspended_ptr and ptr != handle.suspended_ptr:
-                raise CommunicatorGone(
-                    "resume: the group's communicator was replaced since it was suspended "
-                    "(destroyed and created again); the suspended one no longer exists")
-            self.library.comm_resume(ptr)
+        with host_backup.window(host_backup.RESUME):
+            if not isinstance(handle, CommHandle):
+                self.library.comm_resume(handle)
+            elif handle.path is Path.TORCH:
+                handle.torch_backend.resume()
+            else:
+                ptr = handle.current("resume")
+                if handle.suspended_ptr and ptr != handle.suspended_ptr:
+                    raise CommunicatorGone(
+                        "resume: the group's communicator was replaced since it was suspended "
+                        "(destroyed and created again); the suspended one no longer exists")
+                self.library.comm_resume(ptr)
 
 
 def _from_torch_stats(stats: dict) -> CommMemory:

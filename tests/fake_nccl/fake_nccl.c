@@ -6,6 +6,8 @@
  *   default      NCCL 2.32.3 with ncclCommSuspend/Resume/MemStats
  *   -DNO_SUSPEND an older NCCL (2.28.9) without them
  *   -DAMEM       AMem's patched NCCL 2.27.5: ncclPause/ncclResume, process-wide
+ *   -DRUNTIME    the default build plus a stand-in for NCCL's statically linked CUDA
+ *                runtime and its pinned host backup (see "The runtime" below)
  * FAKE_NCCL_VERSION in the environment overrides the reported version.
  *
  * Peers: NCCL's suspend and resume wait for every member of the communicator (a
@@ -54,7 +56,80 @@ typedef struct fakeComm {
   char peer_dir[512];
   int peer_rank, peer_count, peer_round; /* rounds: every member's suspends and resumes, in order */
   volatile int in_barrier, peer_timed_out;
+  unsigned char* image;          /* RUNTIME: the communicator's "device" bytes */
+  void** backup;                 /* RUNTIME: one pinned block per entry while suspended */
+  int entries;
+  size_t entry_bytes;
 } fakeComm;
+
+#ifdef RUNTIME
+/* The runtime. NCCL links the CUDA runtime statically; that runtime reaches the
+ * driver once, when the first communicator is made: dlopen("libcuda.so.1"), then
+ * dlsym(handle, "cuGetProcAddress_v2") through this library's own PLT, then
+ * cuGetProcAddress for cuGetProcAddress itself and for each entry point it uses.
+ * Here the driver is the stand-in FAKE_NCCL_DRIVER names (fake_cuda.c). A
+ * communicator given entries (fakeCommSetBackup) is then backed up on suspend as
+ * NCCL 2.30.7's mem_manager.cc does it: per entry cudaHostAlloc(mapped), memset,
+ * copy out, "release" the device bytes; resume copies back and cudaFreeHost's. */
+#include <dlfcn.h>
+typedef int (*gpa_fn)(const char*, void**, int, uint64_t, int*);
+static int (*rt_host_alloc)(void**, size_t, unsigned int);
+static int (*rt_free_host)(void*);
+static int (*rt_ctx_current)(void**);
+static int rt_state; /* 0 not yet, 1 ready, -1 failed */
+
+static void runtime_init(void) {
+  const char* path = getenv("FAKE_NCCL_DRIVER");
+  if (rt_state || !path) return;
+  rt_state = -1;
+  void* driver = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+  if (!driver) return;
+  gpa_fn first = (gpa_fn)dlsym(driver, "cuGetProcAddress_v2");
+  gpa_fn gpa = NULL;
+  int status = 0;
+  if (!first || first("cuGetProcAddress", (void**)&gpa, 12080, 0, &status) || !gpa) return;
+  if (gpa("cuMemHostAlloc", (void**)&rt_host_alloc, 12080, 0, &status) ||
+      gpa("cuMemFreeHost", (void**)&rt_free_host, 12080, 0, &status) ||
+      gpa("cuCtxGetCurrent", (void**)&rt_ctx_current, 12080, 0, &status)) return;
+  rt_state = 1;
+}
+
+static ncclResult_t backup_out(fakeComm* c) {
+  if (!c->entries) return ncclSuccess;
+  if (rt_state != 1) return ncclUnhandledCudaError;
+  for (int i = 0; i < c->entries; i++) {
+    if (rt_host_alloc(&c->backup[i], c->entry_bytes, 0x02 /* CU_MEMHOSTALLOC_DEVICEMAP */))
+      return ncclUnhandledCudaError;
+    memset(c->backup[i], 0, c->entry_bytes); /* ncclCudaHostCalloc */
+    memcpy(c->backup[i], c->image + (size_t)i * c->entry_bytes, c->entry_bytes);
+  }
+  memset(c->image, 0xEE, (size_t)c->entries * c->entry_bytes); /* the device bytes are gone */
+  return ncclSuccess;
+}
+
+static ncclResult_t backup_in(fakeComm* c) {
+  for (int i = 0; i < c->entries; i++) {
+    memcpy(c->image + (size_t)i * c->entry_bytes, c->backup[i], c->entry_bytes);
+    if (rt_free_host(c->backup[i])) return ncclUnhandledCudaError;
+    c->backup[i] = NULL;
+  }
+  return ncclSuccess;
+}
+
+void fakeCommSetBackup(fakeComm* c, int entries, size_t entry_bytes) {
+  c->entries = entries; c->entry_bytes = entry_bytes;
+  c->image = calloc((size_t)entries, entry_bytes);
+  c->backup = calloc((size_t)entries, sizeof(void*));
+}
+unsigned char* fakeCommImage(fakeComm* c) { return c->image; }
+int fakeRuntimeState(void) { return rt_state; }
+/* dlsym(RTLD_NEXT, name) from this library: the scope after it, i.e. its dependencies */
+void* fakeNextLookup(const char* name) { return dlsym(RTLD_NEXT, name); }
+#else
+__attribute__((unused)) static ncclResult_t backup_out(fakeComm* c) { (void)c; return 0; }
+__attribute__((unused)) static ncclResult_t backup_in(fakeComm* c) { (void)c; return 0; }
+static void runtime_init(void) {}
+#endif
 
 ncclResult_t ncclGetVersion(int* version) {
   const char* env = getenv("FAKE_NCCL_VERSION");
@@ -127,6 +202,7 @@ ncclResult_t ncclCommSuspend(fakeComm* c, int flags) {
     if (!c->gate_open) c->gate_timed_out = 1;
   }
   c->in_suspend = 0;
+  if (backup_out(c) != ncclSuccess) { c->partial = 1; return ncclUnhandledCudaError; }
   c->suspended = 1; c->suspends++;
   return ncclSuccess;
 }
@@ -139,6 +215,7 @@ ncclResult_t ncclCommResume(fakeComm* c) {
   if (!c->suspended) return ncclInvalidUsage;
   if (peer_barrier(c) != ncclSuccess) return ncclSystemError;
   if (c->delay_us) usleep(c->delay_us);
+  if (backup_in(c) != ncclSuccess) return ncclUnhandledCudaError;
   c->suspended = 0; c->resumes++;
   return ncclSuccess;
 }
@@ -170,6 +247,7 @@ int fakeAmemCount(int op) { return op == 0 ? amem_pauses : amem_resumes; }
 /* --- test controls ---------------------------------------------------- */
 fakeComm* fakeCommCreate(uint64_t suspendable, uint64_t persist) {
   fakeComm* c = calloc(1, sizeof(fakeComm));
+  runtime_init(); /* NCCL's runtime reaches the driver with the first communicator */
   c->suspendable = suspendable; c->persist = persist;
   return c;
 }

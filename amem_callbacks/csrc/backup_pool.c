@@ -1,0 +1,209 @@
+/* The kept blocks: NCCL's pinned host backups, held from a resume to the next suspend.
+ *
+ * NCCL 2.30's resume copies each offloaded buffer back and frees its pinned
+ * backup; the next suspend pins a block of the same size again. While the
+ * Python side has a resume window open, a block NCCL frees is kept (up to a
+ * byte bound) instead of unpinned; while a suspend window is open, an
+ * allocation of the same size, flags and context gets a kept block back
+ * instead of pinning anew. Outside the windows both calls go to the driver
+ * unchanged (communicator set-up and teardown pin and free as before). NCCL
+ * zeroes every block it gets (ncclCudaHostCalloc), so a reused block holds
+ * nothing of its last use.
+ */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "host_backup.h"
+
+typedef struct block {
+  void* ptr;
+  size_t size;
+  unsigned int flags;
+  CUcontext ctx;
+  struct block* next;
+} block;
+
+#define LIVE_BUCKETS 4096
+static block* live[LIVE_BUCKETS]; /* every block handed to the runtime, by address */
+static block* kept;               /* blocks held for the next suspend */
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static cu_host_alloc_fn real_alloc;
+static cu_free_host_fn real_free;
+static cu_ctx_current_fn real_ctx_current;
+static volatile int suspend_depth, resume_depth, reuse_on = 1;
+static amem_hb_stats_t st; /* under lock, except the windows' counts */
+
+static uint64_t now_ns(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
+
+static size_t bucket(const void* p) { return ((uintptr_t)p >> 12) % LIVE_BUCKETS; }
+
+static void live_add(block* b) {
+  size_t i = bucket(b->ptr);
+  b->next = live[i];
+  live[i] = b;
+}
+
+static block* live_take(const void* p) {
+  for (block** at = &live[bucket(p)]; *at; at = &(*at)->next) {
+    if ((*at)->ptr == p) {
+      block* b = *at;
+      *at = b->next;
+      return b;
+    }
+  }
+  return NULL;
+}
+
+static CUcontext current_context(void) {
+  CUcontext ctx = NULL;
+  if (real_ctx_current) real_ctx_current(&ctx);
+  return ctx;
+}
+
+void* amem_hb_substitute(const char* symbol, void* real) {
+  /* One ABI each; a second, different pointer for the same name is left alone. */
+  if (strcmp(symbol, "cuMemHostAlloc") == 0) {
+    if (!real_alloc) real_alloc = (cu_host_alloc_fn)real;
+    if (real == (void*)real_alloc) { st.alloc_wrapped = 1; return (void*)amem_hb_host_alloc; }
+    __atomic_add_fetch(&amem_hb_unknown, 1, __ATOMIC_RELAXED);
+  } else if (strcmp(symbol, "cuMemFreeHost") == 0) {
+    if (!real_free) real_free = (cu_free_host_fn)real;
+    if (real == (void*)real_free) { st.free_wrapped = 1; return (void*)amem_hb_free_host; }
+    __atomic_add_fetch(&amem_hb_unknown, 1, __ATOMIC_RELAXED);
+  } else if (strcmp(symbol, "cuCtxGetCurrent") == 0 && !real_ctx_current) {
+    real_ctx_current = (cu_ctx_current_fn)real;
+  }
+  return real;
+}
+
+CUresult amem_hb_host_alloc(void** pp, size_t size, unsigned int flags) {
+  if (__atomic_load_n(&suspend_depth, __ATOMIC_ACQUIRE) > 0 && reuse_on && pp) {
+    CUcontext ctx = current_context();
+    pthread_mutex_lock(&lock);
+    for (block** at = &kept; *at; at = &(*at)->next) {
+      block* b = *at;
+      if (b->size == size && b->flags == flags && b->ctx == ctx) {
+        *at = b->next;
+        live_add(b);
+        st.kept_bytes -= size;
+        st.kept_blocks--;
+        st.reused++;
+        st.reused_bytes += size;
+        pthread_mutex_unlock(&lock);
+        *pp = b->ptr;
+        return 0;
+      }
+    }
+    pthread_mutex_unlock(&lock);
+  }
+  uint64_t start = now_ns();
+  CUresult result = real_alloc(pp, size, flags);
+  uint64_t took = now_ns() - start;
+  if (result != 0 || !pp) return result;
+  block* b = malloc(sizeof *b);
+  pthread_mutex_lock(&lock);
+  st.pinned_new++;
+  st.pinned_new_bytes += size;
+  st.pin_ns += took;
+  if (b) { /* untracked (no memory for the record): it is simply never kept */
+    *b = (block){*pp, size, flags, current_context(), NULL};
+    live_add(b);
+  }
+  pthread_mutex_unlock(&lock);
+  return 0;
+}
+
+static CUresult unpin(void* p, size_t size) {
+  uint64_t start = now_ns();
+  CUresult result = real_free(p);
+  uint64_t took = now_ns() - start;
+  pthread_mutex_lock(&lock);
+  st.unpinned++;
+  st.unpinned_bytes += size;
+  st.unpin_ns += took;
+  pthread_mutex_unlock(&lock);
+  return result;
+}
+
+CUresult amem_hb_free_host(void* p) {
+  pthread_mutex_lock(&lock);
+  block* b = p ? live_take(p) : NULL;
+  if (b && reuse_on && __atomic_load_n(&resume_depth, __ATOMIC_ACQUIRE) > 0 &&
+      st.kept_bytes + b->size <= st.limit_bytes) {
+    b->next = kept;
+    kept = b;
+    st.kept_bytes += b->size;
+    st.kept_blocks++;
+    pthread_mutex_unlock(&lock);
+    return 0;
+  }
+  pthread_mutex_unlock(&lock);
+  size_t size = b ? b->size : 0;
+  free(b);
+  return unpin(p, size);
+}
+
+/* Unpin kept blocks until at most `keep` bytes stay; the bytes unpinned. */
+static uint64_t trim(uint64_t keep) {
+  uint64_t released = 0;
+  for (;;) {
+    pthread_mutex_lock(&lock);
+    block* b = st.kept_bytes > keep ? kept : NULL;
+    if (b) {
+      kept = b->next;
+      st.kept_bytes -= b->size;
+      st.kept_blocks--;
+    }
+    pthread_mutex_unlock(&lock);
+    if (!b) return released;
+    unpin(b->ptr, b->size);
+    released += b->size;
+    free(b);
+  }
+}
+
+/* --- the Python side's calls ------------------------------------------------ */
+/* kind 0: a suspend runs (allocations may take kept blocks); 1: a resume runs
+ * (frees are kept). Windows nest and overlap across threads: counts, not flags. */
+AMEM_EXPORT void amem_hb_enter(int kind) {
+  __atomic_add_fetch(kind ? &resume_depth : &suspend_depth, 1, __ATOMIC_ACQ_REL);
+  __atomic_add_fetch(kind ? &st.resume_windows : &st.suspend_windows, 1, __ATOMIC_RELAXED);
+}
+
+AMEM_EXPORT void amem_hb_leave(int kind) {
+  __atomic_sub_fetch(kind ? &resume_depth : &suspend_depth, 1, __ATOMIC_ACQ_REL);
+}
+
+/* The most bytes kept between a resume and the next suspend; lowering it unpins
+ * what is over. Returns the bytes unpinned. */
+AMEM_EXPORT uint64_t amem_hb_set_limit(uint64_t bytes) {
+  pthread_mutex_lock(&lock);
+  st.limit_bytes = bytes;
+  pthread_mutex_unlock(&lock);
+  return trim(bytes);
+}
+
+/* Off: nothing more is kept, and what is kept is unpinned now. */
+AMEM_EXPORT uint64_t amem_hb_set_reuse(int on) {
+  reuse_on = on ? 1 : 0;
+  return on ? 0 : trim(0);
+}
+
+/* Unpin every kept block (policy close, exit); the bytes unpinned. */
+AMEM_EXPORT uint64_t amem_hb_release(void) { return trim(0); }
+
+AMEM_EXPORT void amem_hb_stats(amem_hb_stats_t* out) {
+  pthread_mutex_lock(&lock);
+  *out = st;
+  pthread_mutex_unlock(&lock);
+  out->lookups = __atomic_load_n(&amem_hb_lookups, __ATOMIC_RELAXED);
+  out->unknown = __atomic_load_n(&amem_hb_unknown, __ATOMIC_RELAXED);
+  out->reuse_on = (uint64_t)reuse_on;
+}

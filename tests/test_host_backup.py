@@ -1,0 +1,144 @@
+"""The host-backup hook (amem_callbacks/csrc, host_backup.py) against a stand-in
+driver and a stand-in NCCL whose runtime finds the driver through dlsym, as NCCL's
+static CUDA runtime does: install, reuse, bound, windows, release, the off switches,
+the refusals, and that nothing but that NCCL's look-ups changes. Each case runs in a
+fresh process (the hook is process-wide)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from amem_callbacks import host_backup
+from tests.harness import run_ranks
+from tests.fake_nccl import build_driver
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENTRIES, ENTRY_BYTES = 4, 1 << 16
+
+pytestmark = pytest.mark.skipif(host_backup.library_path() is None,
+                                reason="the hook was not built (pip install -e . builds it)")
+
+
+def case(name: str, folder) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != host_backup.ENV_SWITCH}
+    done = subprocess.run([sys.executable, "-m", "tests.host_backup_cases", name, str(folder)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_first_suspend_pins_and_every_later_one_reuses(tmp_path):
+    out = case("reuse", tmp_path)
+    assert out["state"]["installed"] and out["active"]
+    assert out["exact"] == [True] * 5
+    before = out["before_release"]
+    assert before["pins"] == ENTRIES and before["unpins"] == 0  # only the first cycle pinned
+    assert before["stats"]["reused"] == 4 * ENTRIES
+    assert before["stats"]["kept_bytes"] == before["pinned_bytes"] == ENTRIES * ENTRY_BYTES
+    assert out["released"] == ENTRIES * ENTRY_BYTES
+    after = out["after_release"]
+    assert after["pinned_bytes"] == 0 and after["unpins"] == ENTRIES and after["bad_frees"] == 0
+    assert after["stats"]["kept_bytes"] == 0
+
+
+def test_kept_bytes_stay_within_the_bound(tmp_path):
+    out = case("bounded", tmp_path)
+    assert out["exact"] == [True] * 3
+    during = out["during"]
+    assert during["stats"]["kept_bytes"] == 2 * ENTRY_BYTES  # two of four blocks kept
+    assert during["stats"]["reused"] == 2 * 2  # cycles 2 and 3 reuse two each
+    assert during["pins"] == ENTRIES + 2 * 2
+    assert out["after_lowering"]["stats"]["kept_bytes"] == 0
+    assert out["after_lowering"]["pinned_bytes"] == 0
+
+
+def test_outside_the_windows_allocations_and_frees_reach_the_driver(tmp_path):
+    out = case("outside_windows", tmp_path)
+    assert out["exact"] == [True] * 3
+    figures = out["figures"]
+    assert figures["pins"] == figures["unpins"] == 3 * ENTRIES
+    assert figures["stats"]["reused"] == 0 and figures["stats"]["kept_bytes"] == 0
+
+
+def test_reuse_off_pins_every_cycle_and_keeps_nothing(tmp_path):
+    out = case("reuse_off", tmp_path)
+    assert out["kept_while_on"] == ENTRIES * ENTRY_BYTES
+    assert out["exact"] == [True] * 3
+    figures = out["figures"]
+    assert figures["stats"]["kept_bytes"] == 0 and figures["pinned_bytes"] == 0
+    assert figures["pins"] == 4 * ENTRIES  # the first cycle's and three more
+    assert "reuse_host_backup=False" in out["why"]
+
+
+def test_the_environment_switch_installs_nothing(tmp_path):
+    out = case("switched_off", tmp_path)
+    assert not out["state"]["installed"] and "AMEM_HOST_BACKUP=0" in out["state"]["why"]
+    assert out["exact"] == [True, True]
+    assert out["figures"]["pins"] == out["figures"]["unpins"] == 2 * ENTRIES
+    assert out["figures"]["stats"] == {}
+
+
+def test_a_hook_installed_after_the_runtime_started_says_so(tmp_path):
+    out = case("late", tmp_path)
+    assert out["state"]["installed"] and not out["active"]
+    assert "reached the driver before the hook was installed" in out["why"]
+    assert out["exact"] == [True, True] and out["figures"]["pins"] == 2 * ENTRIES
+
+
+def test_an_nccl_it_cannot_hook_is_refused_with_why(tmp_path):
+    out = case("refusals", tmp_path)
+    assert not out["no_dlsym"]["installed"] and "imports no dlsym" in out["no_dlsym"]["why"]
+    assert not out["not_loaded"]["installed"]
+    assert "not loaded in this process" in out["not_loaded"]["why"]
+    assert not out["installed"]
+
+
+def test_only_that_nccls_lookups_change(tmp_path):
+    out = case("scoped", tmp_path)
+    # dlsym(RTLD_NEXT) from the hooked NCCL still searches after it, not after the hook
+    assert out["before"] == out["after"] == out["expected"] != 0
+    # a second NCCL copy's runtime reaches the real driver: it pins every cycle
+    assert out["exact_other"] == [True] * 3 and out["other_pins"] == 3 * ENTRIES
+    assert out["stats"]["reused"] == 0
+
+
+def _ranks(scenario: str, tmp_path, **args):
+    driver = build_driver(str(tmp_path))
+    return [r["result"] for r in run_ranks(f"tests.scenarios_host_backup:{scenario}", world=2,
+                                           timeout=120, args={"driver": driver, **args})]
+
+
+def test_a_policy_keeps_the_backup_from_one_phase_to_the_next(tmp_path):
+    for result in _ranks("scenario_keeps_backup", tmp_path):
+        cycles = result["cycles"]
+        assert [c["suspended"] for c in cycles] == [["dp", "ep", "world"]] * 4
+        assert all(all(c["exact"].values()) and c["collectives_ok"] for c in cycles)
+        pins = [c["driver_pins"] for c in cycles]
+        assert pins[0] == 3 * 6 and pins == [pins[0]] * 4  # three comms of six entries, once
+        reused = [c["metrics"]["amem/host_backup/reused"] for c in cycles]
+        assert reused == [0, 18, 36, 54]
+        assert cycles[-1]["metrics"]["amem/host_backup/active"] == 1
+        assert result["kept_before_close"] == 3 * 6 * 64 * 1024
+        assert result["after_close"] == {"kept_bytes": 0, "driver_pinned_bytes": 0,
+                                         "bad_frees": 0}
+        assert any("keeping NCCL's pinned host backup" in line for line in result["log"])
+
+
+def test_a_policy_with_reuse_off_pins_every_phase(tmp_path):
+    for result in _ranks("scenario_keeps_backup", tmp_path, reuse=False):
+        cycles = result["cycles"]
+        assert all(all(c["exact"].values()) for c in cycles)
+        assert [c["driver_pins"] for c in cycles] == [18, 36, 54, 72]
+        assert all(c["metrics"] == {} for c in cycles)
+
+
+def test_a_policy_made_after_the_communicators_says_why_once(tmp_path):
+    for result in _ranks("scenario_late_install", tmp_path):
+        assert all(all(c["exact"].values()) for c in result["cycles"])
+        assert [c["driver_pins"] for c in result["cycles"]] == [18, 36, 54]
+        lines = [l for l in result["log"] if "re-pins its host backup" in l]
+        assert len(lines) == 1 and "before the first NCCL communicator" in lines[0]
+        assert result["bad_frees"] == 0
