@@ -25,6 +25,7 @@ OPTIONS = {
     "keep": ((list, tuple), "a list of group names, e.g. [world]"),
     "guard": ((str,), _either(GuardMode.choices())),
     "learn_keep": ((bool,), "true or false"),
+    "reuse_host_backup": ((bool,), "true or false"),
 }
 VALID_KEYS = valid_keys(OPTIONS)
 
@@ -38,6 +39,7 @@ class AmemSettings:
     keep: tuple = ()
     guard: str = "resume"
     learn_keep: bool = True
+    reuse_host_backup: bool = True
 
     def options(self, **extra):
         """The policy's options: every key but ``enable`` is an OffloadOptions field

@@ -8,7 +8,7 @@ import logging
 import sys
 from typing import Iterable, Mapping, Optional, Union
 
-from amem_callbacks import OffloadPolicy
+from amem_callbacks import OffloadPolicy, host_backup
 from amem_callbacks.errors import AdapterError, OptionError
 from amem_callbacks.groups import keep_name, register_roles
 from amem_callbacks.headroom import gpu_total_bytes
@@ -64,6 +64,8 @@ class AMemCallback(TrainerCallback, SessionViews):
         given = dict(backend=backend, keep=keep, guard=guard, overlap=overlap, **policy_options)
         # Bad options fail here, not at the first generation.
         self.options = OffloadOptions(**map_options("AMemCallback", OPTION_NAMES, given))
+        # made before the trainer, so before its first collective starts NCCL's runtime
+        host_backup.prepare(self.options)
         self.suspend_in_server_mode = suspend_in_server_mode
         self.log_metrics = log_metrics
         self.trainer = None

@@ -8,6 +8,7 @@ import inspect
 import threading
 from typing import Optional
 
+from amem_callbacks import host_backup
 from amem_callbacks.availability import is_cuda_available
 from amem_callbacks.errors import AdapterError
 from amem_callbacks.groups import register_roles
@@ -126,8 +127,11 @@ def _resume_first(self, *args, **kwargs) -> None:
 
 
 def _validate_first(self, *args, **kwargs) -> None:
-    """init_model: a bad ``amem`` block fails before any model is built."""
-    read_settings(self.config.rollout.get("custom"))
+    """init_model: a bad ``amem`` block fails before any model is built; with amem on, the
+    host-backup hook goes in now, before the model's communicators start NCCL's runtime."""
+    settings = read_settings(self.config.rollout.get("custom"))
+    if settings.enable:
+        host_backup.prepare(settings.options(keep=()))
 
 
 async def _suspend_at_kv_cache(method, self, *args, **kwargs):

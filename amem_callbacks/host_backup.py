@@ -24,6 +24,7 @@ import contextlib
 import ctypes
 import importlib.machinery
 import os
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Optional
@@ -101,6 +102,10 @@ def install(nccl_path: Optional[str] = None) -> HookState:
         if _state is not None and _state.installed:
             return _state
         _state = _install(nccl_path)
+        if not _state.installed:
+            from .log import logger
+
+            logger.debug("amem_callbacks: host-backup hook not installed: %s", _state.why)
         if _state.installed:
             atexit.register(release)
         return _state
@@ -119,14 +124,29 @@ def _install(nccl_path: Optional[str]) -> HookState:
 
         found = NcclLibrary.loaded()
         if found is None:
-            return HookState(False, "no NCCL is loaded yet (import torch first); it is tried "
-                                    "again when a policy is made")
+            _retry_when_torch_loads()
+            return HookState(False, "no NCCL is loaded in this process (a CPU-only torch, or "
+                                    "torch not imported yet: it is tried again when it is)")
         nccl_path = found.path
     why = ctypes.create_string_buffer(512)
     code = lib.amem_hb_install(nccl_path.encode(), why, len(why))
     if code < 0:
         return HookState(False, why.value.decode(errors="replace"), nccl_path)
     return HookState(True, "", nccl_path)
+
+
+_waiting_for_torch = False
+
+
+def _retry_when_torch_loads() -> None:
+    """Torch loads NCCL with its CUDA library: install then, still before any communicator."""
+    global _waiting_for_torch
+    if _waiting_for_torch or "torch" in sys.modules:
+        return
+    _waiting_for_torch = True
+    from .patching import when_imported
+
+    when_imported("torch", lambda _module: install())
 
 
 def state() -> Optional[HookState]:
@@ -236,8 +256,9 @@ def applies_to(backend) -> bool:
 
 
 def prepare(options, backend=None) -> None:
-    """At a policy's construction (``backend`` None: the option's name) and at its
-    set-up (the backend chosen): install the hook, or turn reuse off as asked."""
+    """At a policy's construction (``backend`` None: the option's name), at its set-up
+    (the backend chosen) and where an adapter knows its options before the first
+    communicator: install the hook, or turn reuse off as asked."""
     if not options.reuse_host_backup:
         set_reuse(False)
         return

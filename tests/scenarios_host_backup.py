@@ -108,3 +108,24 @@ def scenario_late_install(args):
     policy.close()
     return {"cycles": cycles, "why": host_backup.why_inactive(), "log": log.lines,
             "bad_frees": driver.bad_frees}
+
+
+class _BenchLoop:
+    """What the bench's host-backup stage reads of its Loop, on gloo and the CPU."""
+
+    def __init__(self, groups):
+        import torch
+
+        self.dist, self.sync = dist, dist.new_group(backend="gloo")
+        self.groups, self.device = groups, torch.device("cpu")
+
+    def all_groups(self):
+        return list(self.groups.values())
+
+
+def scenario_bench_stage(args):
+    """The bench's P6 stage (tools/bench_backup.py), every line of it, on the fake runtime."""
+    from amem_callbacks.tools.bench_backup import backup_cycles
+
+    groups, fake, driver, policy, _log = _job(args)
+    return backup_cycles(_BenchLoop(groups), fake.backend(), 2, 2)

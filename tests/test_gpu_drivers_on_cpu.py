@@ -176,6 +176,10 @@ def start_all(names, tmp: str) -> dict:
                                                    os.path.join(out, "cold.json"),
                                                    "--groups", "3", "--cycles", "2"], out,
                                      ranks=2),
+        "host_backup": lambda out: Run("host_backup", [gpu_script("host_backup_gpu.py"),
+                                                       os.path.join(out, "hb.json"),
+                                                       "--cycles", "30", "--groups", "2"],
+                                       out, ranks=2),
         "suspend_stall": lambda out: Run("suspend_stall", [gpu_script("suspend_stall_gpu.py"),
                                                            os.path.join(out, "stall.json"), "1"],
                                          out, ranks=2),
@@ -296,6 +300,24 @@ def test_suspend_stall_measures_every_order_on_the_fake_nccl(runs):
         assert all(summary[m]["transition_s"] > 0
                    for m in ("overlapped", "serial", "pin_only", "alloc_overlapped", "held"))
         assert_provenance(result, "tests/gpu/suspend_stall_gpu.py")
+
+
+# --- host_backup_gpu.py -------------------------------------------------------
+@needs("host_backup")
+def test_host_backup_soak_keeps_the_backup_on_the_fake_runtime(runs):
+    for result in ranks_results(runs["host_backup"], "hb.rank{rank}.json"):
+        assert result["ok"] and result["hook"]["installed"] and not result["failures"]
+        assert set(result["checks"]) == {
+            "no_failure", "every_resume_exact", "every_cycle_suspended", "hook_active",
+            "no_new_pinning_after_first_cycle", "kept_bytes_flat", "nothing_kept_after_close"}
+        assert set(result["not_judged_on_cpu"]) == {"device_free_flat", "host_rss_flat"}
+        cycles = result["cycles"]
+        assert len(cycles) == 30 and all(c["bytes"] == 2 * 64 * 2**20 for c in cycles)
+        # two communicators of six entries: pinned in the first cycle, reused after
+        assert [c["pinned_new"] for c in cycles] == [12] * 30
+        assert [c["reused"] for c in cycles] == [12 * i for i in range(30)]
+        assert result["commit"] and result["machine"]["nccl_loaded"].startswith("2.32.3")
+        assert result["after_close"]["kept_bytes"] == 0
 
 
 # --- cold_host_gpu.py ---------------------------------------------------------

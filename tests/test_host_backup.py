@@ -142,3 +142,21 @@ def test_a_policy_made_after_the_communicators_says_why_once(tmp_path):
         lines = [l for l in result["log"] if "re-pins its host backup" in l]
         assert len(lines) == 1 and "before the first NCCL communicator" in lines[0]
         assert result["bad_frees"] == 0
+
+
+def test_the_bench_stage_times_both_sides_and_the_copy(tmp_path):
+    for result in _ranks("scenario_bench_stage", tmp_path):
+        blocks = result["blocks"]
+        assert [b["reuse"] for b in blocks] == [False, True, False, True]
+        for block in blocks:
+            assert len(block["cycles"]) == 2
+            new = [row["pinned_new"] for row in block["cycles"]]
+            reused = [row["reused"] for row in block["cycles"]]
+            # warm cycles: re-pinned every time with reuse off, never with it on
+            assert (new, reused) == (([18, 18], [0, 0]) if not block["reuse"] else
+                                     ([0, 0], [18, 18]))
+        assert result["first_cycle"]["pinned_new"] == 18
+        assert result["bytes"] == 3 * 32 * 2**20  # NCCL's suspendable bytes as stated
+        assert set(result["floor"]) == {"d2h_s", "h2d_s", "memset_s"}
+        summary = result["summary"]
+        assert summary["on"]["cycle_s_per_gib"] > 0 and summary["copy_s_per_gib"] > 0

@@ -1,10 +1,13 @@
 """Megatron adapter: ``--rl-amem-offload-during-rollout`` and the rollout hooks (docs/megatron.md).
 Importing it imports neither torch nor Megatron; it registers ``parallel_state``'s role names."""
 
+import sys
+
+from amem_callbacks import host_backup
 from amem_callbacks.groups import register_roles
 
 from . import hooks
-from .args import Settings, chain, define, settings_from_args
+from .args import Settings, chain, define, host_backup_wanted, settings_from_args
 from .hooks import install_hooks, remove_hooks
 from .offload import RolloutOffload, write_metrics
 from .roles import VALID_KEEP
@@ -33,4 +36,6 @@ def add_args(parser):
     read the flags from Megatron's args and do nothing without the first one)."""
     define(parser)
     install_hooks()
+    if host_backup_wanted(sys.argv):
+        host_backup.install()
     return parser

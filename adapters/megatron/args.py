@@ -36,6 +36,7 @@ class Settings:
     overlap: bool = True
     grow_kv_cache: bool = False
     kv_margin_gb: float = DEFAULT_KV_MARGIN_GB
+    reuse_host_backup: bool = True
 
     def options(self, **extra) -> OffloadOptions:
         """The policy's options: the fields FLAGS maps to an option, then ``extra``."""
@@ -80,10 +81,22 @@ FLAGS = {
     "--rl-amem-kv-cache-margin-gb": ("kv_margin_gb", float, None, dict(
         type=gigabytes, default=DEFAULT_KV_MARGIN_GB, metavar="GB", help="memory left out of "
         f"the freed bytes when growing the KV cache (default {DEFAULT_KV_MARGIN_GB})")),
+    "--rl-amem-no-host-backup-reuse": ("reuse_host_backup", operator.not_, "reuse_host_backup",
+                                       dict(action="store_true", help="let NCCL pin and unpin "
+        "its host backup at every suspend and resume, as without the package (by default the "
+        "pinned backup is kept from one rollout to the next: transitions several times faster)")),
     "--rl-amem-group-id": ("group_id", int, None, dict(
         type=group_id, default=None, metavar="N",
         help="AMem only: ncclSetGroupID value, set before the first communicator exists")),
 }
+
+
+def host_backup_wanted(argv) -> bool:
+    """Whether a command line turns offload on with the backup kept. Read from the raw
+    arguments: Megatron calls ``add_args`` before it parses, and its first collectives
+    (which start NCCL's runtime) come before anything reads the parsed flags."""
+    return "--rl-amem-offload-during-rollout" in argv and \
+        "--rl-amem-no-host-backup-reuse" not in argv
 
 
 def define(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

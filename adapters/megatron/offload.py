@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Optional
 
-from amem_callbacks import OffloadPolicy
+from amem_callbacks import OffloadPolicy, host_backup
 from amem_callbacks.availability import is_distributed_initialized
 from amem_callbacks.log import logger
 from amem_callbacks.memory import empty_cache
@@ -48,6 +48,8 @@ class RolloutOffload(SessionViews):
         if backend is not None:
             extra["backend"] = backend
         self.options = settings.options(resume_first=RESUME_FIRST, **extra)  # bad input fails now
+        if settings.enabled:  # before Megatron's first communicator (the launcher installs us)
+            host_backup.prepare(self.options)
         self.settings = settings
         self._writers = writers
         self.session: Optional[RolloutSession] = None

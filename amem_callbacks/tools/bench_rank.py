@@ -18,10 +18,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .. import guard
+from .. import guard, host_backup
 from ..groups import name_group
 from ..options import DEFAULT_WORKERS
 from ..policy import OffloadPolicy
+from .bench_backup import backup_cycles
 from .bench_stages import ROLES, Stages, plan
 from .launch import free_port, gather_ints, local_device
 from .pairs import interleaved
@@ -311,6 +312,7 @@ def _learned(metrics: dict, phase: str) -> dict:
 
 
 def run_rank(args, rank: int, world: int, use_cuda: bool) -> dict:
+    host_backup.install()  # before the first communicator, as an adapter's import does
     if use_cuda:
         torch.cuda.set_device(local_device(int(os.environ.get("LOCAL_RANK", rank))))
     dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world)
@@ -356,6 +358,9 @@ def run_rank(args, rank: int, world: int, use_cuda: bool) -> dict:
     stages.finished("guard overhead (P3)")
     result["caller_progress"] = _caller_progress(loop, backend, workers)
     stages.finished("caller-thread progress (P5)")
+    if use_cuda and args.backup_cycles:
+        result["host_backup"] = backup_cycles(loop, backend, workers, args.backup_cycles)
+        stages.finished("host backup cycles (P6)")
     result["ranks_per_gpu"] = (-(-world // torch.cuda.device_count())) if use_cuda else 0
     result["bandwidth_after_GBps"] = loop.bus_bandwidth()
     stages.finished("bandwidth after")

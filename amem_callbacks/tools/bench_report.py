@@ -10,7 +10,7 @@ import sys
 from .pairs import Interleaved
 
 GOALS = {"P1": (">=", 0.99), "P2": ("<=", 0.10), "P2b": ("<=", 1.0), "P3": ("<=", 1.01),
-         "P4": (">=", 0.99), "P5": (">=", 0.8)}
+         "P4": (">=", 0.99), "P5": (">=", 0.8), "P6": ("<=", 0.15), "P6_over_copy": ("<=", 3.0)}
 MEANING = {
     "P1": "device bytes freed / NCCL suspendable bytes",
     "P2": "extra step time, overlap / naive",
@@ -24,6 +24,10 @@ MEANING = {
     "P5_end": "the same during an overlapped end",
     "learn_over_nolearn": "steady step time, rollout touching a group: learn_keep on / off",
     "step_ratio_pairs": "step time, overlap / none, median of interleaved pairs",
+    "P6": "warm suspend+resume, s per GiB a rank, NCCL's host backup kept",
+    "P6_off": "the same, the backup re-pinned every cycle (NCCL as is)",
+    "P6_over_copy": "that cycle (kept) / copying the same bytes out and back",
+    "P6_gain": "cycle time, re-pinned / kept",
 }
 #: What a dry run (noop, CPU) does not measure, and why. Ratios of differences
 #: near zero swing wildly: three identical CPU runs gave P2 = -26.7, -1.4, 0.08.
@@ -40,6 +44,10 @@ NOT_MEASURED_DRY = {
     "P5": "a noop transition makes no NCCL call that could hold the GIL",
     "P5_end": "a noop transition makes no NCCL call that could hold the GIL",
     "learn_over_nolearn": "a guard resume costs nothing in a dry run",
+    "P6": "no NCCL backup in a dry run",
+    "P6_off": "no NCCL backup in a dry run",
+    "P6_over_copy": "no NCCL backup in a dry run",
+    "P6_gain": "no NCCL backup in a dry run",
 }
 
 
@@ -64,6 +72,15 @@ def _pair_ratios(raw_pairs) -> dict:
     return {"median": result.ratio("step_s"), "spread": result.spread("step_s"),
             "ratios": result.ratios("step_s"), "pairs": raw_pairs["pairs"],
             "control": control, "control_over_baseline": drift}
+
+
+def _backup_figures(stage) -> dict:
+    """P6 from the host-backup stage (None where it did not run or was skipped)."""
+    summary = (stage or {}).get("summary") or {}
+    if not summary:
+        return {"P6": None, "P6_off": None, "P6_over_copy": None, "P6_gain": None}
+    return {"P6": summary["on"]["cycle_s_per_gib"], "P6_off": summary["off"]["cycle_s_per_gib"],
+            "P6_over_copy": summary["on_over_copy"], "P6_gain": summary["off_over_on"]}
 
 
 def summarise(raw: dict, args, world: int, dry_run: bool) -> dict:
@@ -95,6 +112,7 @@ def summarise(raw: dict, args, world: int, dry_run: bool) -> dict:
         "P5_end": progress.get("end", {}).get("ratio"),
         "learn_over_nolearn": _ratio(mean.get("touch"), mean.get("touch-nolearn")),
         "step_ratio_pairs": pairs.get("median"),
+        **_backup_figures(raw.get("host_backup")),
     }
     not_measured = dict(NOT_MEASURED_DRY) if dry_run else {}
     for name in not_measured:  # never a figure computed from noise
@@ -126,7 +144,7 @@ def summarise(raw: dict, args, world: int, dry_run: bool) -> dict:
         "touch": {m: {"auto_resumes": modes[m].get("auto_resumes"),
                       "learned": modes[m].get("learned"), "step_s": modes[m]["step_s"]}
                   for m in ("touch", "touch-nolearn") if m in modes},
-        "pairs": pairs,
+        "pairs": pairs, "host_backup": raw.get("host_backup"),
         "note": "recreate destroys every group but the default one (torch cannot re-create it)",
     }
 

@@ -19,10 +19,12 @@ ROLES = ("world", "dp", "dp_cp", "cp", "expert_dp", "intra_dp_cp", "embd", "pos_
 # bandwidth_*: P4's all-reduce, 7 timed windows of that many calls (not options).
 QUICK = {"groups": 2, "steps": 2, "rollout_s": 1.0, "train_s": 0.2, "grad_mib": 16,
          "modes": ("none", "naive", "overlap"), "pairs": 3, "sweep": [], "guard_calls": 1200,
-         "bandwidth_mib": 16, "bandwidth_iters": 5}
+         "bandwidth_mib": 16, "bandwidth_iters": 5,
+         "backup_cycles": 2}
 FULL = {"groups": 8, "steps": 4, "rollout_s": 2.0, "train_s": 0.5, "grad_mib": 64,
         "modes": ("none", "naive", "overlap", "recreate"), "pairs": 3, "sweep": [1, 2, 4, 8],
-        "guard_calls": 12000, "bandwidth_mib": 256, "bandwidth_iters": 20}
+        "guard_calls": 12000, "bandwidth_mib": 256, "bandwidth_iters": 20,
+        "backup_cycles": 4}
 # Fewer, smaller buffers: the same suspend/resume behaviour, ~10x shorter transitions.
 SMALL_BUFFERS = {"NCCL_BUFFSIZE": str(1 << 20), "NCCL_MAX_NCHANNELS": "4"}
 
@@ -71,8 +73,10 @@ def plan(args, on_gpu: bool, workers: int) -> list:
                        args.pairs * args.steps * (2 * step + per_mode["overlap"])
                        + args.steps * step))  # and the control
     stages += [("guard overhead (P3)", 2 * batch + calls * _SMALL_CALL_S[on_gpu]),
-               ("caller-thread progress (P5)", 1.0 + 2 * batch / max(1, workers)),
-               ("bandwidth after", bandwidth)]
+               ("caller-thread progress (P5)", 1.0 + 2 * batch / max(1, workers))]
+    if on_gpu and args.backup_cycles:
+        stages.append(("host backup cycles (P6)", 4 * (args.backup_cycles + 1) * 2 * batch))
+    stages.append(("bandwidth after", bandwidth))
     return stages
 
 

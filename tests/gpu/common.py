@@ -60,6 +60,10 @@ def bind_device() -> int:
 
     if ON_CPU:
         _install_cuda_stand_in(torch)
+    else:  # before the first communicator, as an adapter does (AMEM_HOST_BACKUP=0: not)
+        from amem_callbacks import host_backup
+
+        host_backup.install()
     device = local_device(int(os.environ.get("LOCAL_RANK", "0")))
     torch.cuda.set_device(device)
     return device
@@ -112,14 +116,21 @@ def gloo_group(**kwargs):
     return group
 
 
-def fake_nccl(default_mib: int = 64):
+def fake_nccl(default_mib: int = 64, backup: tuple = None):
     """CPU mode: this process's fake NCCL (tests/scenarios.py FakeNccl), one
-    communicator per group it is asked about except the :func:`gloo_group` ones."""
+    communicator per group it is asked about except the :func:`gloo_group` ones.
+    ``backup`` (entries, bytes), at the first call: its runtime build, whose suspends
+    copy to pinned blocks through the stand-in driver, as NCCL's do."""
     global _fake
     if _fake is None:
         from tests.scenarios import FakeNccl
 
-        fake = FakeNccl(default_mib=default_mib)
+        if backup:
+            from tests.fake_nccl import build_driver
+
+            os.environ["FAKE_NCCL_DRIVER"] = build_driver(os.environ.get("AMEM_FAKE_NCCL_DIR"))
+        fake = FakeNccl("runtime" if backup else "suspend", default_mib=default_mib,
+                        backup=backup)
         mapped = fake.handle_of
 
         def handle_of(group):
@@ -462,3 +473,46 @@ def proc_fields(path: str, keys: tuple) -> dict:
                 parts = rest.split()
                 out[key] = int(parts[0]) * (1024 if len(parts) > 1 else 1)
     return out
+
+
+# --- what every record carries: its code and its machine ---------------------
+def commit() -> str:
+    """The code a record was made with: AMEM_COMMIT (set by whoever launches the run,
+    since a copied working tree may keep stale git metadata), else git's HEAD, with
+    "+dirty" when the tree differs from it."""
+    import subprocess
+
+    given = os.environ.get("AMEM_COMMIT")
+    if given:
+        return given
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head + ("+dirty" if dirty else "")) if head else "unknown"
+
+
+def machine() -> dict:
+    """Card, driver, torch and the NCCL loaded (the library's own version), for a record."""
+    import platform
+    import subprocess
+
+    import torch
+
+    lib = nccl_library()
+    out = {"torch": torch.__version__, "torch_cuda": torch.version.cuda,
+           "python": platform.python_version(),
+           "nccl_loaded": f"{lib.version_str} ({lib.path})" if lib else None}
+    if ON_CPU:
+        return {**out, "card": None, "driver": None}
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=20).stdout.split()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        driver = None
+    return {**out, "card": torch.cuda.get_device_name(), "driver": driver,
+            "gpus_visible": torch.cuda.device_count()}

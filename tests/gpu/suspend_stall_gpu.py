@@ -48,7 +48,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from amem_callbacks import OffloadPolicy, name_group
+from amem_callbacks import OffloadPolicy, host_backup, name_group
 from tests.gpu.common import ON_CPU, bind_device, cpu_notes, exact_allreduce, gloo_group, \
     policy_backend, process_group_backend, provenance, set_aside_on_cpu, tensor_device
 
@@ -192,6 +192,9 @@ def main() -> None:
     out_path = sys.argv[1]
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 3
     bind_device()
+    # before the first communicator, as an adapter does: NCCL's runtime then finds the
+    # host-backup hook (AMEM_HOST_BACKUP=0 measures NCCL re-pinning every suspend)
+    policy = OffloadPolicy(backend=policy_backend("nccl"), overlap=True, agree_timeout_s=60)
     dist.init_process_group(process_group_backend("nccl"))
     rank = dist.get_rank()
     sync = gloo_group()
@@ -199,7 +202,6 @@ def main() -> None:
     name_group(groups["dp"], "dp")
     for g in groups.values():
         assert exact_allreduce(g, 1.0)
-    policy = OffloadPolicy(backend=policy_backend("nccl"), overlap=True, agree_timeout_s=60)
     x = torch.ones(1 << 20, device=tensor_device())
     engine_step(x)
     deadline, count = time.monotonic() + BASELINE_S, 0
@@ -255,6 +257,8 @@ def main() -> None:
             summary["pin_only"]["transition_s"] or 0)
     set_aside_on_cpu(verdict, *list(verdict))
     result = {"rank": rank, "torch": torch.__version__, "steps": count,
+              "host_backup": {"kept": host_backup.active(), "why_not": host_backup.why_inactive(),
+                              "stats": host_backup.stats()},
               "kernels_per_step": KERNELS_PER_STEP, "pinned_bytes": nbytes,
               "suspended": [g.name for g in first.suspended], "summary": summary,
               "verdict": verdict, "checks": checks, "rows": rows, **cpu_notes(),
