@@ -35,7 +35,12 @@ SUSPEND, RESUME = 0, 1
 _STAT_FIELDS = ("kept_bytes", "kept_blocks", "reused", "reused_bytes", "pinned_new",
                 "pinned_new_bytes", "unpinned", "unpinned_bytes", "pin_ns", "unpin_ns",
                 "lookups", "unknown", "alloc_wrapped", "free_wrapped", "limit_bytes",
-                "reuse_on", "suspend_windows", "resume_windows")
+                "reuse_on", "suspend_windows", "resume_windows", "zero_skipped",
+                "zero_skipped_bytes")
+#: NCCL releases whose suspend was read to zero each backup and copy over all of it
+#: at once, on one thread (src/mem_manager.cc, ncclCudaHostCalloc then cudaMemcpy of the
+#: same size): only there is the zeroing of a reused block left out.
+ZEROING_READ = ((2, 30, 0), (2, 33, 0))
 
 
 class _Stats(ctypes.Structure):
@@ -73,7 +78,8 @@ def _load():
         if path is None:
             return None
         lib = ctypes.CDLL(path)  # never closed: NCCL's runtime keeps our function pointers
-        lib.amem_hb_install.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t)
+        lib.amem_hb_install.argtypes = (ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                                        ctypes.c_size_t)
         lib.amem_hb_install.restype = ctypes.c_int
         for name in ("amem_hb_enter", "amem_hb_leave"):
             getattr(lib, name).argtypes = (ctypes.c_int,)
@@ -119,17 +125,22 @@ def _install(nccl_path: Optional[str]) -> HookState:
     if lib is None:
         return HookState(False, "the host-backup hook was not built at install (no C compiler "
                                 "then): install gcc and reinstall amem-callbacks")
-    if nccl_path is None:
-        from .nccl_library import NcclLibrary  # ctypes only, no torch
+    from .nccl_library import NcclLibrary  # ctypes only, no torch
 
-        found = NcclLibrary.loaded()
-        if found is None:
-            _retry_when_torch_loads()
-            return HookState(False, "no NCCL is loaded in this process (a CPU-only torch, or "
-                                    "torch not imported yet: it is tried again when it is)")
-        nccl_path = found.path
+    try:
+        found = NcclLibrary.loaded() if nccl_path is None else \
+            NcclLibrary(ctypes.CDLL(nccl_path, mode=os.RTLD_NOLOAD), nccl_path)
+    except OSError:
+        found = None
+    if found is None and nccl_path is None:
+        _retry_when_torch_loads()
+        return HookState(False, "no NCCL is loaded in this process (a CPU-only torch, or "
+                                "torch not imported yet: it is tried again when it is)")
+    nccl_path = nccl_path or found.path
+    low, high = ZEROING_READ
+    skip_zeroing = found is not None and low <= found.version < high
     why = ctypes.create_string_buffer(512)
-    code = lib.amem_hb_install(nccl_path.encode(), why, len(why))
+    code = lib.amem_hb_install(nccl_path.encode(), int(skip_zeroing), why, len(why))
     if code < 0:
         return HookState(False, why.value.decode(errors="replace"), nccl_path)
     return HookState(True, "", nccl_path)
@@ -231,7 +242,7 @@ def metrics(prefix: str = "amem/") -> dict:
     if figures:
         p = prefix + "host_backup/"
         for name in ("kept_bytes", "reused", "reused_bytes", "pinned_new", "pinned_new_bytes",
-                     "unpinned", "limit_bytes"):
+                     "unpinned", "limit_bytes", "zero_skipped"):
             out[p + name] = figures[name]
         out[p + "pin_seconds"] = figures["pin_ns"] / 1e9
         out[p + "unpin_seconds"] = figures["unpin_ns"] / 1e9

@@ -69,6 +69,18 @@ def reuse(folder):
             "active": host_backup.active()}
 
 
+def zeroing_kept(folder):
+    """An NCCL release outside the ones read (FAKE_NCCL_VERSION=2.29.7): reuse, but every
+    zeroing runs."""
+    os.environ["FAKE_NCCL_VERSION"] = "22907"
+    fake, driver = _setup(folder)
+    host_backup.install(fake.lib._name)
+    comm = _comm(fake)
+    host_backup.bound(NBYTES)
+    exact = [_cycle(fake, comm, 80 + i) for i in range(3)]
+    return {"exact": exact, "stats": host_backup.stats()}
+
+
 def bounded(folder):
     """A bound below one cycle's backup: only that much is kept, the rest unpinned."""
     fake, driver = _setup(folder)
@@ -158,7 +170,7 @@ def scoped(folder):
             "stats": host_backup.stats()}
 
 
-CASES = {f.__name__: f for f in (reuse, bounded, outside_windows, reuse_off, switched_off, late,
+CASES = {f.__name__: f for f in (reuse, zeroing_kept, bounded, outside_windows, reuse_off, switched_off, late,
                                  refusals, scoped)}
 
 if __name__ == "__main__":

@@ -169,7 +169,8 @@ def test_torch_reserved_bytes_reads_the_given_device_or_the_current_one(torch_cu
 
 #: Modules that import torch at the top on purpose: each runs only in a rank
 #: process or as a command of its own (see their docstrings).
-TORCH_AT_THE_TOP = {"amem_callbacks.tools.bench_rank", "amem_callbacks.tools.demo_rank",
+TORCH_AT_THE_TOP = {"amem_callbacks.tools.bench_backup", "amem_callbacks.tools.bench_rank",
+                    "amem_callbacks.tools.demo_rank",
                     "amem_callbacks.tools.probe"}
 
 

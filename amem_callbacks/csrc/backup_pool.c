@@ -35,6 +35,10 @@ static cu_free_host_fn real_free;
 static cu_ctx_current_fn real_ctx_current;
 static volatile int suspend_depth, resume_depth, reuse_on = 1;
 static amem_hb_stats_t st; /* under lock, except the windows' counts */
+/* The kept block this thread's last allocation handed back (NULL when the last one
+ * pinned anew): NCCL's next call on this thread zeroes it, then copies over it. */
+static __thread void* fresh_ptr;
+static __thread size_t fresh_size;
 
 static uint64_t now_ns(void) {
   struct timespec t;
@@ -98,11 +102,14 @@ CUresult amem_hb_host_alloc(void** pp, size_t size, unsigned int flags) {
         st.reused_bytes += size;
         pthread_mutex_unlock(&lock);
         *pp = b->ptr;
+        fresh_ptr = b->ptr;
+        fresh_size = size;
         return 0;
       }
     }
     pthread_mutex_unlock(&lock);
   }
+  fresh_ptr = NULL;
   uint64_t start = now_ns();
   CUresult result = real_alloc(pp, size, flags);
   uint64_t took = now_ns() - start;
@@ -148,6 +155,21 @@ CUresult amem_hb_free_host(void* p) {
   size_t size = b ? b->size : 0;
   free(b);
   return unpin(p, size);
+}
+
+/* Installed in libnccl's memset slot only for the NCCL versions whose suspend was
+ * read to do, per offloaded entry and on one thread: ncclCudaHostCalloc(backup, n)
+ * (cudaHostAlloc, then memset(backup, 0, n)), then cudaMemcpy(backup, device, n). The
+ * zeroing of a block just handed back from the pool is then overwritten whole before
+ * anything reads it: it is left out. Every other memset runs as before. */
+void* amem_hb_memset(void* s, int c, size_t n) {
+  if (s && s == fresh_ptr && c == 0 && n == fresh_size) {
+    fresh_ptr = NULL;
+    __atomic_add_fetch(&st.zero_skipped, 1, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&st.zero_skipped_bytes, n, __ATOMIC_RELAXED);
+    return s;
+  }
+  return memset(s, c, n);
 }
 
 /* Unpin kept blocks until at most `keep` bytes stay; the bytes unpinned. */

@@ -29,6 +29,9 @@ typedef CUresult (*cu_ctx_current_fn)(CUcontext* ctx);
 /* backup_pool.c: the driver functions the runtime asked for, wrapped */
 CUresult amem_hb_host_alloc(void** pp, size_t bytesize, unsigned int flags);
 CUresult amem_hb_free_host(void* p);
+/* libnccl's memset, when zeroing may be skipped: NCCL zeroes each backup it gets
+ * (ncclCudaHostCalloc) and then copies the device bytes over all of it. */
+void* amem_hb_memset(void* s, int c, size_t n);
 /* A driver function a look-up answered: the pool keeps the real one and returns
  * what the runtime should call instead (the same pointer when it is not ours). */
 void* amem_hb_substitute(const char* symbol, void* real);
@@ -48,6 +51,7 @@ typedef struct amem_hb_stats_t {
   uint64_t alloc_wrapped, free_wrapped;    /* the runtime got our functions (0/1) */
   uint64_t limit_bytes, reuse_on;
   uint64_t suspend_windows, resume_windows;/* windows opened so far */
+  uint64_t zero_skipped, zero_skipped_bytes;/* zeroings of reused backups left out */
 } amem_hb_stats_t;
 
 #endif

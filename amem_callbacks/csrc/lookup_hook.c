@@ -147,15 +147,17 @@ static uintptr_t dyn_address(ElfW(Addr) base, ElfW(Addr) value) {
 struct slots {
   void** at[MAX_SLOTS];
   void* answer[MAX_SLOTS];
-  int count, unhandled;
+  int count, lookups, unhandled;
 };
 
 static void collect(struct slots* s, const struct object* o, const ElfW(Rela) * rela, size_t n,
-                    const ElfW(Sym) * symtab, const char* strtab) {
+                    const ElfW(Sym) * symtab, const char* strtab, int skip_zeroing) {
   for (size_t i = 0; i < n; i++) {
     const char* name = strtab + symtab[ELF64_R_SYM(rela[i].r_info)].st_name;
     int dlsym_ = strcmp(name, "dlsym") == 0, dlvsym_ = strcmp(name, "dlvsym") == 0;
-    if (!dlsym_ && !dlvsym_) continue;
+    int memset_ = skip_zeroing && strcmp(name, "memset") == 0;
+    if (!dlsym_ && !dlvsym_ && !memset_) continue;
+    if (memset_ && ELF64_R_TYPE(rela[i].r_info) != JUMP_SLOT) continue; /* left as it is */
     unsigned type = ELF64_R_TYPE(rela[i].r_info);
     if (type != JUMP_SLOT || s->count == MAX_SLOTS) {
       s->unhandled++; /* its address taken (GLOB_DAT): a call we cannot tell apart */
@@ -164,7 +166,9 @@ static void collect(struct slots* s, const struct object* o, const ElfW(Rela) * 
     /* Bound or not says nothing of the runtime: a library loaded with RTLD_NOW (as
      * Python loads torch) has every slot bound before any call. */
     s->at[s->count] = (void**)(o->base + rela[i].r_offset);
-    s->answer[s->count] = dlsym_ ? (void*)answer_dlsym : (void*)answer_dlvsym;
+    s->answer[s->count] = dlsym_ ? (void*)answer_dlsym
+                          : dlvsym_ ? (void*)answer_dlvsym : (void*)amem_hb_memset;
+    s->lookups += !memset_;
     s->count++;
   }
 }
@@ -185,10 +189,11 @@ static int refuse(char* why, size_t n, int code, const char* text, const char* p
   return code;
 }
 
-/* Point the dlsym/dlvsym slots of the loaded library `path` at the answers.
+/* Point the dlsym/dlvsym slots of the loaded library `path` at the answers (and
+ * with `skip_zeroing` its memset slot at amem_hb_memset).
  * 0: installed (or already); <0: refused, nothing written, `why` says why. Its
  * runtime takes the pool's functions only if it reaches the driver after this. */
-AMEM_EXPORT int amem_hb_install(const char* path, char* why, size_t why_len) {
+AMEM_EXPORT int amem_hb_install(const char* path, int skip_zeroing, char* why, size_t why_len) {
 #ifdef AMEM_HB_UNSUPPORTED
   return refuse(why, why_len, -1, "this CPU architecture is not supported (x86_64, aarch64)", path);
 #else
@@ -231,11 +236,12 @@ AMEM_EXPORT int amem_hb_install(const char* path, char* why, size_t why_len) {
   if (!o.found || !symtab || !strtab || pltrel != DT_RELA) {
     code = refuse(why, why_len, -4, "%s: its dynamic section is not one this hook reads", path);
   } else {
-    if (jmprel) collect(&s, &o, jmprel, jmprel_size / sizeof(ElfW(Rela)), symtab, strtab);
-    if (rela) collect(&s, &o, rela, rela_size / sizeof(ElfW(Rela)), symtab, strtab);
+    if (jmprel)
+      collect(&s, &o, jmprel, jmprel_size / sizeof(ElfW(Rela)), symtab, strtab, skip_zeroing);
+    if (rela) collect(&s, &o, rela, rela_size / sizeof(ElfW(Rela)), symtab, strtab, skip_zeroing);
     if (s.unhandled)
       code = refuse(why, why_len, -5, "%s takes dlsym's address (not a lazy call): not hooked", path);
-    else if (!s.count)
+    else if (!s.lookups)
       code = refuse(why, why_len, -6, "%s imports no dlsym: its CUDA runtime finds the driver "
                     "another way", path);
   }

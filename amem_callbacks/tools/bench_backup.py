@@ -1,4 +1,5 @@
-"""The bench's host-backup stage (P6): what one suspend + resume cycle costs per GiB
+"""The bench's host-backup stage (P6; torch at the top: it runs only in the rank
+processes, imported by bench_rank): what one suspend + resume cycle costs per GiB
 with NCCL's host backup kept between cycles against re-pinned every time, in one
 run on the same groups, beside the floor: copying the same bytes out and back.
 
@@ -37,7 +38,7 @@ def _cycle(loop, policy) -> dict:
     return {"suspend_s": begin.wall_seconds, "resume_s": end.wall_seconds,
             "bytes": begin.nccl_bytes, "pin_thread_s": (delta("pin_ns") or 0) / 1e9,
             "unpin_thread_s": (delta("unpin_ns") or 0) / 1e9, "reused": delta("reused"),
-            "pinned_new": delta("pinned_new")}
+            "pinned_new": delta("pinned_new"), "zero_skipped": delta("zero_skipped")}
 
 
 def copy_floor(nbytes: int, device, repeats: int = 3) -> dict:

@@ -116,8 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
                             f"(quick {QUICK['guard_calls']}, full {FULL['guard_calls']})")
     bench.add_argument("--backup-cycles", type=whole_number, default=None, metavar="N",
                        help="P6: warm suspend+resume cycles per block, NCCL's host backup "
-                            "re-pinned against kept (blocks off,on,off,on; GPU only); 0 for "
-                            f"none (quick {QUICK['backup_cycles']}, full {FULL['backup_cycles']})")
+                            "re-pinned against kept (blocks off,on,off,on; GPU only; a figure "
+                            "at NCCL's default buffers, so in --full); 0 for none (quick "
+                            f"{QUICK['backup_cycles']}, full {FULL['backup_cycles']})")
     # Not "auto": a bench measures one named backend's cost.
     bench.add_argument("--backend", choices=BackendName.concrete(), default=None,
                        help="default: nccl on GPUs, noop on CPU (a dry run); a backend that "
