@@ -247,7 +247,8 @@ def test_launcher_runs_a_script_with_the_flags_and_hooks(tmp_path):
         assert res["script_args"]["grpo_group_size"] == 4  # the script got its own flags
         assert res["settings"] == {"enabled": True, "backend": "noop", "keep": ["dp", "world"],
                                    "group_id": None, "learn_keep": True, "overlap": True,
-                                   "grow_kv_cache": False, "kv_margin_gb": 0.25}
+                                   "grow_kv_cache": False, "kv_margin_gb": 0.25,
+                                   "reuse_host_backup": True}
         kinds = [(via, kind) for via, kind, _ in res["reports"]]
         assert kinds == [("DynamicInferenceEngine.resume", "begin"),
                          ("DynamicInferenceEngine.suspend", "end")] * 2

@@ -172,3 +172,35 @@ def test_the_bench_stage_times_both_sides_and_the_copy(tmp_path):
         assert set(result["floor"]) == {"d2h_s", "h2d_s", "memset_s"}
         summary = result["summary"]
         assert summary["on"]["cycle_s_per_gib"] > 0 and summary["copy_s_per_gib"] > 0
+
+
+def test_the_recorded_summary_is_what_its_records_say():
+    """results/one_h100/host_backup_reuse/summary.json is tests/gpu/host_backup_summary.py's
+    reading of the rank records beside it: a record changed without it fails here."""
+    import tests.gpu.host_backup_summary as summary
+
+    folder = os.path.join(ROOT, "results", "one_h100", "host_backup_reuse")
+    with open(os.path.join(folder, "summary.json")) as f:
+        recorded = json.load(f)
+    assert summary.summarise(folder) == recorded
+    assert recorded["bench"]["kept"]["cycle_s_per_gib"] < recorded["bench"]["re_pinned"][
+        "cycle_s_per_gib"]
+    assert all(rank["ok"] and rank["cycles"] == 1000 for rank in recorded["soak"].values())
+
+
+@pytest.mark.parametrize("kept", [True, False])
+def test_the_doctor_says_when_nccl_would_re_pin_its_backup(monkeypatch, kept):
+    """The probe's line (tools/probe.py, a real 1-rank cycle on a GPU) read by the doctor."""
+    from amem_callbacks.tools import doctor
+
+    line = json.dumps({"ok": True, "path": "ctypes", "host_backup": {
+        "kept": kept, "why_not": "" if kept else "NCCL's CUDA runtime has not taken it",
+        "reused": 3 if kept else 0}})
+    monkeypatch.setattr(doctor.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
+        a, 0, stdout=line + "\n", stderr=""))
+    diagnosis = doctor.Diagnosis()
+    doctor._probe(diagnosis)
+    said = [p.what for p in diagnosis.problems if "host backup" in p.what]
+    assert said == ([] if kept else [said[0]]) and diagnosis.facts["probe"]["host_backup"]
+    if not kept:
+        assert "has not taken it" in said[0]

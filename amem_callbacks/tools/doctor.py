@@ -76,6 +76,7 @@ def diagnose(amem_library: Optional[str] = None, probe: bool = True) -> Diagnosi
         d.facts.update(amem_library=amem_library, amem_library_exists=False)
         amem_library = None
     _env_facts(d, amem_library)
+    _host_backup_facts(d)
     _pick(d, amem_library)
     if probe and is_cuda_available() and d.backend == "nccl":
         _probe(d)
@@ -145,6 +146,22 @@ def _env_facts(d: Diagnosis, amem_library: Optional[str]) -> None:
                 f"NCCL {version_string(version[:2])}"))
 
 
+def _host_backup_facts(d: Diagnosis) -> None:
+    """Whether the hook that keeps NCCL's host backup is built and would go in (the
+    probe, on a GPU, says whether NCCL's runtime takes it)."""
+    from .. import host_backup
+
+    path = host_backup.library_path()
+    d.facts["host_backup_hook"] = path or "not built"
+    if path is None:
+        d.problems.append(Problem(
+            "the host-backup hook was not built at install: NCCL will pin and unpin its host "
+            "backup at every suspend and resume (several times slower)",
+            "install a C compiler (gcc) and reinstall amem-callbacks"))
+    elif host_backup.switched_off():
+        d.facts["host_backup_hook"] += f" ({host_backup.ENV_SWITCH}=0: not used)"
+
+
 def _pick(d: Diagnosis, amem_library: Optional[str]) -> None:
     level = logger.level
     logger.setLevel(logging.ERROR)  # the doctor reports the choice itself
@@ -209,7 +226,15 @@ def _probe(d: Diagnosis) -> None:
             "run `python -m amem_callbacks.tools.probe` to see the whole output; check that "
             "only one libnccl is loaded (no stray LD_PRELOAD)"))
         d.backend, d.backend_reason = "none (training runs unchanged)", result.get("error", "")
-    elif result.get("path") == "torch-native":
+    backup = result.get("host_backup") or {}
+    if result.get("ok") and not backup.get("kept"):
+        d.problems.append(Problem(
+            "NCCL pins and unpins its host backup at every suspend and resume here (the slow "
+            f"part of a transition): {backup.get('why_not') or 'the probe did not say why'}",
+            "build the package's hook (a C compiler at install: pip install -e . with gcc) and "
+            "import the adapter before the first NCCL communicator; AMEM_HOST_BACKUP=0 is the "
+            "one way to want this"))
+    if result.get("path") == "torch-native":
         d.problems.append(Problem(
             f"torch's 'nccl' makes {result.get('class')} here, which gives no communicator "
             "pointer: suspend goes through torch's GIL-holding method",

@@ -17,6 +17,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from .. import host_backup
 from ..backends.nccl import NcclBackend
 from ..backends.torch_comms import torch_backend_of
 from .launch import free_port
@@ -26,6 +27,7 @@ def probe(backend_name: str = "nccl") -> dict:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
                       WORLD_SIZE="1")
     torch.cuda.set_device(0)
+    host_backup.install()  # before the communicator, as the adapters do
     dist.init_process_group(backend_name, rank=0, world_size=1)
     out = {"torch_backend": backend_name}
     try:
@@ -48,6 +50,12 @@ def probe(backend_name: str = "nccl") -> dict:
         free1 = torch.cuda.mem_get_info()[0]
         out["suspended_per_nccl"] = backend.memory(handle).suspended
         backend.resume(handle)
+        host_backup.bound(before.suspendable)
+        backend.suspend(handle)  # a second cycle: the backup comes from the first one's
+        backend.resume(handle)
+        out["host_backup"] = {"kept": host_backup.active(), "why_not": host_backup.why_inactive(),
+                              "reused": host_backup.stats().get("reused", 0)}
+        host_backup.release()
         t.fill_(3.0)
         dist.all_reduce(t)
         out.update(suspendable_bytes=before.suspendable, persist_bytes=before.persist,
