@@ -204,3 +204,39 @@ def test_the_doctor_says_when_nccl_would_re_pin_its_backup(monkeypatch, kept):
     assert said == ([] if kept else [said[0]]) and diagnosis.facts["probe"]["host_backup"]
     if not kept:
         assert "has not taken it" in said[0]
+
+
+def test_each_adapter_installs_the_hook_where_it_comes_before_the_communicators(monkeypatch):
+    """The TRL callback's constructor, Megatron's add_args (the flag read from the command
+    line: it runs before Megatron parses) and verl's init_model wrapper install it; with
+    reuse turned off they do not."""
+    import argparse
+
+    import amem_callbacks.adapters.megatron as megatron
+    from amem_callbacks.adapters import trl, verl
+
+    calls = []
+    monkeypatch.setattr(host_backup, "install", lambda path=None: calls.append(path))
+    monkeypatch.setattr(host_backup, "installed", lambda: False)
+
+    trl.AMemCallback()
+    trl.AMemCallback(reuse_host_backup=False)
+    assert calls == [None]
+
+    monkeypatch.setattr(sys, "argv", ["train_rl.py", "--rl-amem-offload-during-rollout"])
+    megatron.add_args(argparse.ArgumentParser())
+    monkeypatch.setattr(sys, "argv", ["train_rl.py", "--rl-amem-offload-during-rollout",
+                                      "--rl-amem-no-host-backup-reuse"])
+    megatron.add_args(argparse.ArgumentParser())
+    monkeypatch.setattr(sys, "argv", ["train_rl.py"])
+    megatron.add_args(argparse.ArgumentParser())
+    assert calls == [None, None]
+
+    class Worker:
+        def __init__(self, block):
+            self.config = type("Config", (), {"rollout": {"custom": {"amem": block}}})()
+
+    verl._validate_first(Worker({"enable": True}))
+    verl._validate_first(Worker({"enable": True, "reuse_host_backup": False}))
+    verl._validate_first(Worker({"enable": False}))
+    assert calls == [None, None, None]
