@@ -200,6 +200,7 @@ AMEM_EXPORT void amem_hb_enter(int kind) {
 }
 
 AMEM_EXPORT void amem_hb_leave(int kind) {
+  fresh_ptr = NULL; /* a zeroing is left out only inside the suspend that handed the block */
   __atomic_sub_fetch(kind ? &resume_depth : &suspend_depth, 1, __ATOMIC_ACQ_REL);
 }
 
