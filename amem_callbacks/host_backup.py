@@ -1,7 +1,7 @@
 """Keeps NCCL's pinned host backup from one suspend to the next.
 
 NCCL's suspend pins a new host block for every buffer it copies out, and its
-resume unpins it: pinning and unpinning take ~20x the copy, on every cycle,
+resume unpins it: pinning and unpinning cost many times the copy, on every cycle,
 and stall the process's GPU work while they run. The small C library in
 ``csrc/`` (built at install) hands NCCL's own CUDA runtime a
 ``cuMemHostAlloc``/``cuMemFreeHost`` that keep the blocks a resume frees and

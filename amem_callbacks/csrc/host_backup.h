@@ -2,14 +2,16 @@
  *
  * NCCL's suspend pins a fresh host block for every buffer it offloads
  * (cudaHostAlloc + memset + copy) and its resume unpins it again
- * (cudaFreeHost). Pinning and unpinning cost ~20x the copy itself, on every
+ * (cudaFreeHost). Pinning and unpinning cost many times the copy, on every
  * cycle. libnccl links the CUDA runtime statically, so those calls cannot be
  * interposed by symbol; but that runtime reaches the driver through libnccl's
  * own dlsym import and then the driver's cuGetProcAddress. lookup_hook.c points
  * libnccl's dlsym slots at an answer that hands its runtime our
  * cuMemHostAlloc/cuMemFreeHost; backup_pool.c keeps the blocks NCCL frees while
- * a resume runs and hands them back to the next suspend, same size and flags.
- * Nothing else in the process is touched: only libnccl's own slots change.
+ * a resume runs and hands them back to the next suspend, same size and flags,
+ * and (NCCL 2.30-2.32, through libnccl's memset slot) leaves out the zeroing of a
+ * block handed back that NCCL then copies over whole. Nothing else in the process
+ * is touched: only libnccl's own slots change.
  */
 #ifndef AMEM_HOST_BACKUP_H
 #define AMEM_HOST_BACKUP_H
