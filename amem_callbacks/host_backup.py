@@ -10,8 +10,9 @@ answering the driver look-ups of that one library (csrc/lookup_hook.c says
 how). Torch's pinned memory and every other library are untouched.
 
 The hook has to be in place before NCCL's runtime first reaches the driver,
-i.e. before the first communicator is created: adapters install it when they
-are imported, :class:`~amem_callbacks.OffloadPolicy` when it is constructed.
+i.e. before the first communicator is created: the adapters install it where
+they first run (the TRL callback's constructor, verl's ``init_model``, Megatron's
+``add_args``), :class:`~amem_callbacks.OffloadPolicy` when it is constructed.
 ``AMEM_HOST_BACKUP=0`` (or ``OffloadOptions(reuse_host_backup=False)``) turns
 it off. Kept bytes are bounded by the most one begin suspended on this rank,
 released by ``policy.close()`` and at exit.
@@ -108,12 +109,12 @@ def install(nccl_path: Optional[str] = None) -> HookState:
         if _state is not None and _state.installed:
             return _state
         _state = _install(nccl_path)
-        if not _state.installed:
+        if _state.installed:
+            atexit.register(release)
+        else:
             from .log import logger
 
             logger.debug("amem_callbacks: host-backup hook not installed: %s", _state.why)
-        if _state.installed:
-            atexit.register(release)
         return _state
 
 

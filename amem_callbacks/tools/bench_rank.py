@@ -312,7 +312,7 @@ def _learned(metrics: dict, phase: str) -> dict:
 
 
 def run_rank(args, rank: int, world: int, use_cuda: bool) -> dict:
-    host_backup.install()  # before the first communicator, as an adapter's import does
+    host_backup.install()  # before the first communicator, as the adapters do
     if use_cuda:
         torch.cuda.set_device(local_device(int(os.environ.get("LOCAL_RANK", rank))))
     dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world)
