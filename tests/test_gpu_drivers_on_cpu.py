@@ -54,6 +54,9 @@ from tests.requires import missing, needs_modules  # noqa: E402
 
 RECORDED_MEGATRON = os.path.join(ROOT, "results", "one_h200", "megatron_rl_dp2")
 LIMIT_S = 600  # per run; a hang fails its test, saying so
+# a test gives up on its run this long after it began waiting, inside pytest-timeout's
+# 300 s (pyproject.toml), so the failure carries every log's tail rather than a bare timeout
+WAIT_S = 270
 GRACE_S = 20  # after one rank failed, its peers wait for it in a collective: then killed
 
 
@@ -104,13 +107,14 @@ class Run:
         another failed, is killed with its process group."""
         if self.codes is not None:
             return self.codes
-        failed_at = None
+        failed_at, began = None, time.monotonic()
         while any(p.poll() is None for p in self.procs):
             now = time.monotonic()
             if failed_at is None and any(p.poll() not in (None, 0) for p in self.procs):
                 failed_at = now
-            if now - self.started > LIMIT_S or (failed_at and now - failed_at > GRACE_S):
-                self.hung = now - self.started > LIMIT_S
+            hung = now - self.started > LIMIT_S or now - began > WAIT_S
+            if hung or (failed_at and now - failed_at > GRACE_S):
+                self.hung = hung
                 self.kill()
                 break
             time.sleep(0.2)
@@ -134,7 +138,8 @@ class Run:
     def passed(self) -> None:
         """Every process exited 0, else the failure with every log tail."""
         codes = self.wait()
-        assert not self.hung, f"{self.name} ran past {LIMIT_S} s\n{self.output()}"
+        assert not self.hung, (f"{self.name} still ran {time.monotonic() - self.started:.0f} s "
+                               f"after it started\n{self.output()}")
         assert codes == [0] * len(codes), f"{self.name} exit codes {codes}\n{self.output()}"
 
     def json(self, name: str) -> dict:

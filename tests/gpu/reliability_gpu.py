@@ -596,6 +596,10 @@ def _kill_case(r: Rank, op: str) -> dict:
                       groups=list(groups.values()), timeout_s=FAULT_TIMEOUT_S,
                       agree_timeout_s=FAULT_AGREE_S)
     lines = WarningLines()
+    # every rank reaches the staged call's agreement together: on a loaded machine a
+    # rank later than agree_timeout_s there keeps every group, and the victim would
+    # never enter the call
+    r.barrier()
     if op == "resume":
         policy.begin("rollout")  # suspends as usual: only the resume is staged
         r.barrier()
@@ -885,6 +889,11 @@ def driver(out_path: str, only: list) -> int:
         rows.append(row)
         verdict = {True: "PASS", False: "FAIL", None: "n/a"}[row["ok"]]
         print(f"{verdict:4}  {name:16} {row['seconds']:7.1f} s  {row['must_hold']}", flush=True)
+        if row["ok"] is False:  # why, where the run's own output is all there is (CI)
+            print(json.dumps({"driver": row.get("driver"), "exit_codes": row["exit_codes"],
+                              "hung_past_limit_s": row["hung_past_limit_s"]}), flush=True)
+            for rank, tail in enumerate(row.get("log_tails", [])):
+                print(f"--- rank {rank}, the log's last 3000 characters\n{tail}", flush=True)
         write_table(out_path, rows, lib, complete=len(rows) == len(names))
     return 0 if all(row["ok"] is not False for row in rows) else 1
 
