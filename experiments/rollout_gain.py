@@ -75,7 +75,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from amem_callbacks.tools.pairs import Interleaved, Pair  # noqa: E402
+from amem_callbacks.tools.pairs import Interleaved, MixedCommits, Pair, one_commit  # noqa: E402
 from tests.gpu import megatron_runs as runs  # noqa: E402
 from tests.gpu.common import require_installed_package  # noqa: E402
 
@@ -218,6 +218,7 @@ def figures(prefix: str) -> dict:
     if not records:
         return out
     first = records[min(records)]
+    out.update(_whole_run(records))
     later = first["generations"][1:]  # the first rollout's cache comes from the launch
     out["tokens_per_s"] = _median([g["generated_tokens"] / g["seconds"] for g in later])
     out["rollout_s"] = _median([g["seconds"] for g in later])
@@ -258,6 +259,23 @@ def figures(prefix: str) -> dict:
         out.update(_transition_figures(amem, len(first["generations"])))
         out.update(_growth_figures(amem))
     return out
+
+
+def _whole_run(records: dict) -> dict:
+    """The figures a user's job sees, every rollout and iteration counted (the launch,
+    the first rollout's warm-up and launch-size cache included): the slowest rank's
+    start to last iteration, that over the iterations, and rank 0's tokens over its
+    rollouts' seconds. None where the records predate the start mark."""
+    spans = [r["iterations"][-1]["time"] - r["started"] for r in records.values()
+             if r.get("iterations") and r.get("started") is not None]
+    first = records[min(records)]
+    generations = [g for g in first.get("generations") or [] if g.get("seconds")]
+    seconds = sum(g["seconds"] for g in generations)
+    whole = max(spans) if spans and len(spans) == len(records) else None
+    return {"whole_run_s": whole,
+            "whole_iteration_s": whole / len(first["iterations"]) if whole else None,
+            "whole_rollout_tokens_per_s": sum(g["generated_tokens"] for g in generations)
+            / seconds if seconds else None}
 
 
 def _capacity(allocation: dict) -> int:
@@ -662,6 +680,12 @@ def _curve_verdict(result: dict) -> str:
 def merge(args) -> int:
     out = args.out
     sides = _sides_in(out)
+    commits = {os.path.basename(path)[:-len(".json")]: (_load(path) or {}).get("commit")
+               for path in glob.glob(os.path.join(out, "*.rank*.json"))}
+    try:
+        commit = one_commit(commits, args.mixed_commits_why)
+    except MixedCommits as exc:
+        raise SystemExit(str(exc)) from None
     pairs = []
     for index in range(100):
         paths = {s: os.path.join(out, f"pair{index}_{s}") for s in sides}
@@ -676,6 +700,7 @@ def merge(args) -> int:
     commands = sorted({(_load(p) or {}).get("command", "") for p in
                        glob.glob(os.path.join(out, "*.outcome.json"))})
     gain = gain_summary(result, control, commands)
+    gain.update(commit=commit, mixed_commits_why=args.mixed_commits_why)
     with open(os.path.join(out, "rollout_gain.json"), "w") as f:
         json.dump(gain, f, indent=1, default=str)
     withs = [p.results[sides[1]] for p in pairs if p.results[sides[1]].get("critical_path_s")]
@@ -735,6 +760,12 @@ def gain_summary(result: Interleaved, control, commands: list) -> dict:
     extra_wait = None if None in waits.values() else waits[other] - waits[base]
     gain = {
         "sides": list(result.sides),
+        # the headline: whole runs, the first rollout included (with / without, medians
+        # of the pairs); every key after this block is the steady state (rollout 0 out)
+        "whole_run": {key: {"ratio": result.ratio(key), "spread": result.spread(key),
+                            "per_side": per_side(key)}
+                      for key in ("whole_run_s", "whole_iteration_s",
+                                  "whole_rollout_tokens_per_s")},
         "capacity_ratio": capacity, "capacity_ratio_spread": result.spread("kv_token_capacity"),
         "rollout_tokens_per_s_ratio": tokens,
         "rollout_tokens_per_s_ratio_spread": result.spread("tokens_per_s"),
@@ -927,6 +958,9 @@ def main(argv=None) -> int:
     parser.add_argument("what", choices=("plan", "run", "calibrate", "curve", "merge", "plot"))
     parser.add_argument("out", nargs="?", default=None)
     parser.add_argument("--preset", choices=sorted(presets.PRESETS), default="tiny_kv")
+    parser.add_argument("--mixed-commits-why", metavar="TEXT",
+                        help="merge: fold records of different commits, for this reason "
+                             "(kept in rollout_gain.json)")
     parser.add_argument("--sequences-per-bin", type=int, default=1,
                         help="train in bins of this many sequences (Megatron's sequence "
                              "packing); 1: one sequence a micro-batch, as before")

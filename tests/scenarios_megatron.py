@@ -14,28 +14,14 @@ import asyncio
 import contextlib
 import os
 import textwrap
+import types
 from collections import deque
 
 import torch
 import torch.distributed as dist
 
+from tests.gpu import megatron_engine
 from tests.scenarios import FakeNccl, init
-
-
-class StubContext:
-    """Stands in for DynamicInferenceContext; counts what the engine asks of it."""
-
-    def __init__(self):
-        self.calls = {"allocate_all_tensors": 0, "deallocate_all_tensors": 0, "reset": 0}
-
-    def allocate_all_tensors(self, *, is_init):
-        self.calls["allocate_all_tensors"] += 1
-
-    def deallocate_all_tensors(self):
-        self.calls["deallocate_all_tensors"] += 1
-
-    def reset(self):
-        self.calls["reset"] += 1
 
 
 class FakeWriter:
@@ -52,7 +38,13 @@ class FakeWriter:
 
 
 def cpu_engine_class():
+    from megatron.core.inference.engines import dynamic_engine
     from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
+
+    if hasattr(dynamic_engine, "delete_cuda_graphs"):
+        # 0.19's suspend of a movable cache deletes the graphs, with a gc.collect()
+        # (~0.25 s in these processes) that would count as a regrow's cost: no graphs here
+        dynamic_engine.delete_cuda_graphs = lambda: None
 
     class CpuEngine(DynamicInferenceEngine):
         # the engine calls self.__class__.suspend_resume_ctx; the real one reads CUDA stats
@@ -61,27 +53,23 @@ def cpu_engine_class():
         def suspend_resume_ctx(key, *, unified_memory_level):
             yield
 
+        def create_cuda_graphs(self, *args, **kwargs):  # 0.19's resume of a movable cache
+            pass
+
+        def get_request(self, request_id):
+            """A request the suspend hands to the resume, with what 0.19's recompute
+            mode resets (a partly prefilled prompt starts over)."""
+            return types.SimpleNamespace(request_id=request_id, remaining_prompt_tokens=[0],
+                                         prompt_tokens=[0], finished_chunk_token_count=0)
+
     return CpuEngine
 
 
 def make_engine(pg_collection=None, suspended=True, cls=None):
-    """A DynamicInferenceEngine with the state resume()/suspend() use (0.16.1)."""
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
+    """The shared stand-in engine (tests/gpu/megatron_engine.py), of the CPU class."""
     if not torch.cuda.is_available():
         torch.cuda.synchronize = lambda *a, **k: None
-    engine = object.__new__(cls or cpu_engine_class())
-    engine.context = StubContext()
-    engine.unified_memory_level = 0
-    engine.persist_cuda_graphs = True  # no CUDA graphs to delete or capture
-    engine.is_suspended = suspended
-    engine.waiting_request_ids = deque()
-    engine.requests = {}
-    engine.resume_request_ids = []
-    engine._loop = asyncio.new_event_loop()
-    engine._cond = asyncio.Condition()
-    engine.pg_collection = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
-    return engine
+    return megatron_engine.make_engine(pg_collection, suspended, cls or cpu_engine_class())
 
 
 def drain(engine):
@@ -104,8 +92,7 @@ def init_megatron(args):
         tensor_model_parallel_size=args.get("tp", 1),
         pipeline_model_parallel_size=args.get("pp", 1),
         context_parallel_size=args.get("cp", 1),
-        expert_model_parallel_size=args.get("ep", 1),
-        create_all_gather_group=args.get("ag", False))
+        expert_model_parallel_size=args.get("ep", 1))
     return ps
 
 
@@ -297,7 +284,6 @@ def args_provider(args):
     metrics to Megatron's global writers at args.curr_iteration."""
     import argparse
     import sys
-    import types
 
     from amem_callbacks.adapters.megatron import add_args
 
@@ -514,6 +500,8 @@ class GrowableContext:
     0.16.1 engine's resume calls ``allocate_all_tensors``, which notes the size."""
 
     REQUEST_ROUNDER = 4  # 0.19.2's (test_kv_growth checks the rule against its source)
+    static_kv_memory_pointers = False  # the KV cache may move: it can grow
+    chunked_prefill_request_id = -1
 
     def __init__(self, allocator_class, mode, blocks: int):
         self.kv_block_allocator = allocator_class(self, blocks, 0)
@@ -531,8 +519,14 @@ class GrowableContext:
     def allocate_all_tensors(self, *, is_init):
         self.allocations.append([self.kv_block_allocator.total_count, self.max_requests])
 
+    def reinitialize_inference_state_buffers(self):  # 0.19's engine resume
+        self.allocate_all_tensors(is_init=False)
+
     def deallocate_all_tensors(self):
         pass
+
+    def deallocate_inference_state_buffers(self):  # 0.19's engine suspend
+        self.deallocate_all_tensors()
 
     def reset(self):
         pass
@@ -592,7 +586,6 @@ def kv_growth(args):
     with max_requests following; both reach the same decisions. Persist mode says once
     that nothing can grow. Steps go through the hooked ``async_step``."""
     import time
-    import types
 
     from megatron.core.inference.engines import dynamic_engine
 
@@ -612,9 +605,6 @@ def kv_growth(args):
     dynamic_engine.DynamicInferenceEngine.async_step = step  # the hooks wrap this one
 
     class Engine(cpu_engine_class()):  # the requests a suspend hands to the resume
-        def get_request(self, request_id):
-            return types.SimpleNamespace(request_id=request_id, remaining_prompt_tokens=[0])
-
         def _add_request(self, request):
             self.waiting_request_ids.append(request.request_id)
 

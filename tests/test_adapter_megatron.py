@@ -162,8 +162,8 @@ def test_engine_resume_suspends_idle_groups_and_suspend_restores_them(tp):
             assert cycle["begins_after_second_resume"] == n + 1  # no begin on a running engine
         assert res["counters"]["amem/total/begins"] == res["counters"]["amem/total/ends"] == 2
         # the engine's own resume/suspend bodies ran around the hooks
-        assert res["context_calls"]["allocate_all_tensors"] == 2
-        assert res["context_calls"]["deallocate_all_tensors"] == 2
+        assert res["context_calls"]["allocate"] == 2
+        assert res["context_calls"]["deallocate"] == 2
 
 
 def test_metrics_go_to_tensorboard_and_wandb_writers():
@@ -213,7 +213,7 @@ def test_rl_interface_hook_brackets_each_rollout_once(drives_engine):
             assert {g for g, s in cycle["during"].items() if s} == IDLE_IN_PLACE
             assert not any(cycle["after"].values()) and cycle["exact"]
         calls = 2 if drives_engine else 0
-        assert res["engine_calls"]["allocate_all_tensors"] == calls
+        assert res["engine_calls"]["allocate"] == calls
 
 
 def launcher(*argv, env=None, timeout=60):

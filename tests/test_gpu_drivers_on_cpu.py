@@ -524,7 +524,7 @@ def megatron_rl_records(args):
     from megatron.core import parallel_state as ps
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from tests.gpu import megatron_gpu, megatron_rl_gpu
+    from tests.gpu import megatron_engine, megatron_gpu, megatron_rl_gpu
     from tests.scenarios import init
 
     init()
@@ -533,7 +533,7 @@ def megatron_rl_records(args):
     adapter = megatron_gpu.import_adapter()
     controller = adapter.install(settings=adapter.Settings(enabled=True, backend="nccl"),
                                  backend=common.stand_in_backend())
-    engine = megatron_gpu.make_engine(ProcessGroupCollection.use_mpu_process_groups())
+    engine = megatron_engine.make_engine(ProcessGroupCollection.use_mpu_process_groups())
     for _ in range(args["rollouts"]):
         engine.resume()
         engine.suspend()

@@ -23,6 +23,8 @@ import zipfile
 
 import pytest
 
+from tests.requires import skip_for_download
+
 # its sources, compiled here, have an invalid escape in a docstring
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -41,7 +43,8 @@ def wheel(tmp_path_factory):
     if run.returncode != 0 or not found:
         # pip's last line says why (no index reachable, no such version), in one line
         why = (run.stderr.strip().splitlines() or ["no wheel came down"])[-1]
-        pytest.skip(f"could not download megatron-core {VERSION} from the package index: {why}")
+        skip_for_download(f"could not download megatron-core {VERSION} from the package index: "
+                          f"{why}")
     return zipfile.ZipFile(found[0])
 
 

@@ -21,6 +21,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -37,6 +38,7 @@ sys.path.insert(0, ROOT)
 
 from experiments import presets, rollout_gain  # noqa: E402
 from tests.gpu import megatron_rl_gpu, megatron_runs  # noqa: E402
+from tests.requires import skip_for_download  # noqa: E402
 from amem_callbacks.tools.pairs import Interleaved, Pair  # noqa: E402
 
 RECORDED = os.path.join(ROOT, "results", "one_h200", "rollout_gain_megatron_dp2")
@@ -407,7 +409,7 @@ def test_the_megatron_0192_parser_takes_every_presets_command_line(tmp_path):
         timeout=180)
     found = sorted(wheel_dir.glob("megatron_core-*.whl"))
     if download.returncode != 0 or not found:
-        pytest.skip(f"megatron-core 0.19.2 not downloadable here: {download.stderr[-300:]}")
+        skip_for_download(f"megatron-core 0.19.2 not downloadable here: {download.stderr[-300:]}")
     site = tmp_path / "site"
     zipfile.ZipFile(found[0]).extractall(site)
     argvs = {}
@@ -582,9 +584,6 @@ def rollout_records(args):
     probe._device_memory = lambda: (free_bytes(), TOTAL, BASE + 2 * GiB)
 
     class Engine(sm.cpu_engine_class()):
-        def get_request(self, request_id):
-            return types.SimpleNamespace(request_id=request_id, remaining_prompt_tokens=[0])
-
         def _add_request(self, request):
             pass  # the queue below holds the requests; a regrow leaves it as it is
 
@@ -786,6 +785,20 @@ def test_the_pairs_merge_into_the_new_designs_figures(records):
     assert rollout_gain.main(["merge", out]) == 0
     gain = json.load(open(os.path.join(out, "rollout_gain.json")))
     first = load(os.path.join(out, "pair0_with"))
+    # the headline first: whole runs, from each rank's start to its last iteration,
+    # rollout 0 (the launch-size cache, the first begin) included
+    for side in ("without", "with"):
+        ranks = [load(os.path.join(out, f"pair0_{side}"), rank) for rank in (0, 1)]
+        whole = max(r["iterations"][-1]["time"] - r["started"] for r in ranks)
+        result = gain["pairs"][0]["results"][side]
+        assert result["whole_run_s"] == pytest.approx(whole)
+        assert result["whole_iteration_s"] == pytest.approx(whole / len(ranks[0]["iterations"]))
+        generations = ranks[0]["generations"]
+        assert result["whole_rollout_tokens_per_s"] == pytest.approx(
+            sum(g["generated_tokens"] for g in generations) / sum(g["seconds"] for g in generations))
+    assert list(gain)[:2] == ["sides", "whole_run"]
+    assert gain["whole_run"]["whole_run_s"]["ratio"] is not None
+    assert gain["commit"] == first["commit"] and gain["mixed_commits_why"] is None
     reports = first["amem"]["kv_cache"]
     grown = [r for r in reports if r["amem/kv_cache/grown"]]
     launch = LAUNCH_BLOCKS - 1
@@ -1109,3 +1122,20 @@ def test_the_set_up_reads_the_asked_generation_length_and_the_measured_mean():
     assert set_up({"without": 513.0, "with": 500.0}, [line]) is False  # many ended early
     assert set_up({"without": 60.0, "with": 60.0}, [line.replace("544", "64")]) is False
     assert set_up({"without": 513.0, "with": 513.0}, []) is None
+
+
+def test_the_merge_refuses_records_of_another_commit_unless_told_why(records, tmp_path):
+    out = tmp_path / "pairs"
+    shutil.copytree(records["pairs"], out)
+    (out / "rollout_gain.json").unlink(missing_ok=True)  # an earlier test's merge
+    path = out / "pair1_with.rank1.json"
+    record = json.load(open(path))
+    record["commit"] = "f" * 40
+    path.write_text(json.dumps(record))
+    with pytest.raises(SystemExit, match="not made by one commit.*pair1_with.rank1"):
+        rollout_gain.main(["merge", str(out)])
+    assert not (out / "rollout_gain.json").exists()
+    why = "pair 1 re-run after a docs-only commit"
+    assert rollout_gain.main(["merge", str(out), "--mixed-commits-why", why]) == 0
+    gain = json.load(open(out / "rollout_gain.json"))
+    assert gain["mixed_commits_why"] == why and gain["commit"] is None

@@ -342,9 +342,70 @@ def test_the_summary_says_whether_the_raised_share_fails_without_the_package():
     assert drv.summarise({"runs": {}})["raised_share_fails_without"] is None
 
 
-def test_step_figures_leave_the_first_cycle_out():
+def test_step_figures_give_the_whole_run_then_the_steady_state_without_the_first_cycle():
     got = drv.step_figures([9.0, 1.0, 5.0, 1.2, 6.0, 1.4], steps_per_generation=2)
-    assert got == pytest.approx({"generation_step_s": 5.5, "train_step_s": 1.3, "mean_step_s": 3.4})
+    assert got == pytest.approx({"whole_run_mean_step_s": 23.6 / 6, "generation_step_s": 5.5,
+                                 "train_step_s": 1.3, "mean_step_s": 3.4})
+
+
+def write_ranks(prefix: str, ranks: dict) -> None:
+    for rank, body in ranks.items():
+        with open(f"{prefix}.rank{rank}.json", "w") as f:
+            json.dump({"rank": rank, "failed": None, **body}, f)
+
+
+def test_the_merged_whole_run_figures_count_every_ranks_warm_up(tmp_path):
+    """The headline figures of a run: the slowest rank's start to last step and mean
+    step over every step, tokens over every generation's seconds: a merge that left
+    the first generation out (its compilation, the first begin) would read faster."""
+    prefix = str(tmp_path / "rank")
+    steps = {0: [9.0, 1.0, 2.0, 1.0], 1: [12.0, 1.0, 2.0, 1.0]}
+    generations = [{"tokens": 100, "generate_s": 10.0, "tokens_per_s": 10.0},
+                   {"tokens": 300, "generate_s": 1.0, "tokens_per_s": 300.0}]
+    write_ranks(prefix, {rank: {
+        "commit": "c" * 40, "whole_run_s": 60.0 + rank, "loss": [0.1] * 4,
+        "generations": generations, **drv.step_figures(seconds, steps_per_generation=2),
+        "whole_run_tokens_per_s": drv.whole_run_tokens_per_s(generations)}
+        for rank, seconds in steps.items()})
+    run = drv.merge_run(prefix, meta={"ranks": 2, "rc": 0})
+    assert run["whole_run_s"] == 61.0
+    assert run["whole_run_mean_step_s"] == pytest.approx(16.0 / 4)  # rank 1's, step 0 in
+    assert run["whole_run_tokens_per_s"] == pytest.approx(400 / 11.0)
+    assert run["mean_step_s"] == pytest.approx(1.5)  # the steady state, said as such
+    assert run["tokens_per_s"] == pytest.approx(300.0)
+    assert run["commit"] == "c" * 40
+
+
+def test_a_merge_refuses_ranks_or_runs_of_different_commits(tmp_path):
+    from amem_callbacks.tools.pairs import MixedCommits
+    from tests.gpu import vllm_series_merge
+
+    prefix = str(tmp_path / "rank")
+    write_ranks(prefix, {0: {"commit": "a" * 40}, 1: {"commit": "b" * 40}})
+    with pytest.raises(MixedCommits, match="not made by one commit"):
+        drv.merge_run(prefix, meta={"ranks": 2, "rc": 0})
+    # a series folded into a results folder whose runs came from another commit
+    for name, commit in (("best-base-0", "a" * 40), ("raised-amem-0", "b" * 40)):
+        folder = tmp_path / "series" / name
+        folder.mkdir(parents=True)
+        (folder / "log.txt").write_text("ran\n")
+        (folder / "rc.txt").write_text("0 100\n")
+        write_ranks(str(folder / "rank"), {r: {
+            "commit": commit, "world": 2, "args": {"share": 0.03, "amem": "amem" in name,
+                                                  "steps": 2},
+            "loss": [0.1, 0.1]} for r in (0, 1)})
+    results = tmp_path / "results"
+    with pytest.raises(MixedCommits, match="--mixed-commits-why"):
+        vllm_series_merge.fold(str(results), [str(tmp_path / "series")], "session T t1")
+    assert not results.joinpath("state.json").exists()  # nothing half-written
+    summary = vllm_series_merge.fold(str(results), [str(tmp_path / "series")], "session T t1",
+                                     mixed_commits_why="a comment changed between them")
+    assert json.load(open(results / "state.json"))["mixed_commits"] == {
+        "session T t1": "a comment changed between them"}
+    # and the pair itself does not count: the two sides ran different code
+    assert [(p["with"], p["without"], p["same_commit"], p["counts"])
+            for p in summary["pairs"]["raised"]["pairs"]] == [
+        ("raised-amem-0", "best-base-0", False, False)]
 
 
 # --- CPU runs: the driver's own code on trl's real classes -----------------------------------
@@ -802,14 +863,23 @@ def test_the_pairs_set_each_run_with_the_package_beside_its_pair_without_it():
     got = drv.interleaved_pairs(runs)
     assert [(p["with"], p["without"], p["counts"]) for p in got["default"]["pairs"]] == [
         ("default-amem-0", "default-base-0", True)]  # a failed run with it pairs with none
-    # the raised share's run without it failed: the default share's is what it is set beside
-    assert [(p["with"], p["without"], p["counts"]) for p in got["raised"]["pairs"]] == [
-        ("raised-amem-0", "default-base-0", True), ("raised-amem-1", "default-base-1", False)]
+    # the raised share's run without it failed, and these records have no search's
+    # best share: the default share's is what it is set beside, and the pair says so
+    assert [(p["with"], p["without"], p["counts"], p["against"])
+            for p in got["raised"]["pairs"]] == [
+        ("raised-amem-0", "default-base-0", True, "the default share (not the best without)"),
+        ("raised-amem-1", "default-base-1", False, "the default share (not the best without)")]
     assert got["raised"]["counted"] == 1  # another step count is no pair
     assert got["raised"]["mean_step_s"] == {"median": 0.8, "min": 0.8, "max": 0.8}
     assert got["raised"]["tokens_per_s"]["median"] == 1.5
     assert got["default"]["mean_step_s"]["median"] == 1.1
     assert drv.summarise({"runs": runs})["pairs"] == got
+    # with the search's largest share that ran without the package, that is the pair
+    runs["best-base-0"] = run_row("best", False, loss=[0.1] * 4, mean_step_s=1.8, share=0.0348)
+    got = drv.interleaved_pairs(runs)
+    assert [(p["with"], p["without"], p["without_share"], p["against"])
+            for p in got["raised"]["pairs"]][0] == (
+        "raised-amem-0", "best-base-0", 0.0348, "the largest share that ran without")
 
 
 def test_the_series_merge_leaves_out_a_run_cut_mid_training_and_keeps_a_failed_one(tmp_path):

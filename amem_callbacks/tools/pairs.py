@@ -69,6 +69,34 @@ class Interleaved:
                 "control": self.control}
 
 
+class MixedCommits(ValueError):
+    """Records made with different code, merged as if they were one experiment."""
+
+
+def one_commit(commits: dict, why: Optional[str] = None) -> Optional[str]:
+    """The one commit of the records ``{name: commit}`` a merge folds together.
+
+    A ratio between two runs means something only if the same code made both: a
+    merge of records whose commits differ stops here, naming them, unless ``why``
+    says why they may be folded (a change that touches no code the runs execute);
+    the merge then keeps that reason beside its figures. Where some records carry
+    a commit and others none, those are named, never taken for a match; where none
+    does (records older than the commit field), there is nothing to hold: None."""
+    known = {name: commit for name, commit in commits.items() if commit}
+    missing = sorted(name for name, commit in commits.items() if not commit)
+    distinct = sorted(set(known.values()))
+    if not known or (len(distinct) == 1 and not missing):
+        return distinct[0] if distinct else None
+    if why:
+        return None
+    by_commit = {c: sorted(n for n, k in known.items() if k == c) for c in distinct}
+    raise MixedCommits(
+        f"these records were not made by one commit: {by_commit}"
+        + (f"; no commit in {missing}" if missing else "")
+        + ": re-run them at one commit, or pass the reason they may be merged "
+          "(--mixed-commits-why TEXT)")
+
+
 def interleaved(runs: dict, pairs: int = 3, control: Optional[tuple] = None,
                 progress: Callable = None) -> Interleaved:
     """Run the two sides of ``runs`` (``{"without": fn, "with": fn}``, baseline

@@ -507,7 +507,7 @@ def machine() -> dict:
     out = {"torch": torch.__version__, "torch_cuda": torch.version.cuda,
            "python": platform.python_version(),
            "nccl_loaded": f"{lib.version_str} ({lib.path})" if lib else None}
-    if ON_CPU:
+    if ON_CPU or not torch.cuda.is_available():  # the CPU mode, or a simulation on a CPU
         return {**out, "card": None, "driver": None}
     try:
         driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],

@@ -31,12 +31,10 @@ Ranks synchronise over a gloo group while NCCL groups are suspended.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
 import sys
-from collections import deque
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if ROOT not in sys.path:  # run as a script: tests.gpu.common from the repo
@@ -58,38 +56,6 @@ def import_adapter():
 
 
 # --- worker (one rank) ----------------------------------------------------
-class StubContext:
-    """The KV-cache context: the proof is about NCCL memory, not the KV cache."""
-
-    def allocate_all_tensors(self, *, is_init):
-        pass
-
-    def deallocate_all_tensors(self):
-        pass
-
-    def reset(self):
-        pass
-
-
-def make_engine(pg_collection):
-    """A DynamicInferenceEngine (its __init__ needs a model) with the state
-    resume()/suspend() read; their own bodies run unchanged."""
-    from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
-
-    engine = object.__new__(DynamicInferenceEngine)
-    engine.context = StubContext()
-    engine.unified_memory_level = 0
-    engine.persist_cuda_graphs = True
-    engine.is_suspended = True
-    engine.waiting_request_ids = deque()
-    engine.requests = {}
-    engine.resume_request_ids = []
-    engine._loop = asyncio.new_event_loop()
-    engine._cond = asyncio.Condition()
-    engine.pg_collection = pg_collection
-    return engine
-
-
 def nccl_suspended(entries) -> dict:
     """NCCL's own word per group (ncclCommMemStats), read past the policy's
     bookkeeping: through a backend of this script's own over the NCCL this process
@@ -130,6 +96,7 @@ def worker(config: str, out_dir: str) -> bool:
     from tests.gpu.common import ON_CPU, bind_device, cpu_notes, exact_allreduce as exact, \
         free_bytes, gloo_group, process_group_backend, provenance, set_aside_on_cpu, \
         stand_in_backend
+    from tests.gpu.megatron_engine import make_engine
 
     bind_device()  # LOCAL_RANK % GPUs: several ranks may share one
     dist.init_process_group(process_group_backend("nccl"))
@@ -152,7 +119,7 @@ def worker(config: str, out_dir: str) -> bool:
         settings = controller.settings if controller is not None else \
             adapter.Settings(enabled=True, backend="nccl")
         controller = adapter.install(settings=settings, backend=stand_in_backend())
-    engine = make_engine(collection)
+    engine = make_engine(collection)  # tests/gpu/megatron_engine.py
     total = torch.cuda.mem_get_info()[1]
     checks = {"communicators_created_exact": created}
     cycles = []

@@ -78,9 +78,12 @@ _patches = Patches()  # test-side wrappers around Megatron (the loop itself is u
 
 
 def new_record() -> dict:
-    """What a rank records, empty (one per process; tests start one per simulated run)."""
+    """What a rank records, empty (one per process; tests start one per simulated run).
+    ``started``: the clock where a whole-run figure starts (this module's import, before
+    Megatron, the model and the first rollout's warm-up)."""
     return {"iterations": [], "rollouts": [], "kv_cache_allocations": [], "errors": [],
-            "generations": [], "events": [], "memory_trace": [], "engine_steps": []}
+            "generations": [], "events": [], "memory_trace": [], "engine_steps": [],
+            "started": time.monotonic()}
 
 
 _record = new_record()
@@ -512,7 +515,10 @@ def write_record(prefix: str) -> None:
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    from tests.gpu.common import commit, machine
+
     for key, read in (("amem", amem_summary), ("torch", lambda: torch.__version__),
+                      ("commit", commit), ("machine", machine),
                       ("nccl", _nccl_version), ("megatron_core", _megatron_version),
                       ("torch_max_reserved_bytes", torch.cuda.max_memory_reserved),
                       ("nccl_total_bytes", _nccl_total_bytes)):

@@ -72,11 +72,15 @@ import time
 import types
 from typing import Optional
 
+#: when this rank's process began (before torch, vLLM and the model): a whole-run
+#: figure counts from here, the start-up and the first generation's warm-up included
+PROCESS_STARTED = time.monotonic()
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from tests.gpu.short_wake import parse_short_wake  # noqa: E402 - after the path is set
+from amem_callbacks.tools.pairs import one_commit  # noqa: E402
 
 GIB = 2**30
 #: the share TRL's GRPOConfig defaults to (vllm_gpu_memory_utilization)
@@ -664,15 +668,25 @@ def record_transitions(rec: Recorder) -> None:
 
 
 def step_figures(seconds: list, steps_per_generation: int) -> dict:
-    """Medians of the steps that generate (every ``steps_per_generation``-th from the
-    first) and of the others, the first generation cycle (start-up warm-up) left out,
-    and the mean step after it."""
+    """The mean over every step (``whole_run_mean_step_s``: what a user's job takes a
+    step, the first generation's warm-up included), then the steady state: medians of
+    the steps that generate (every ``steps_per_generation``-th from the first) and of
+    the others, and the mean step, the first generation cycle left out."""
     later = list(enumerate(seconds))[steps_per_generation:]
     gen = [s for i, s in later if i % steps_per_generation == 0]
     train = [s for i, s in later if i % steps_per_generation]
-    return {"generation_step_s": statistics.median(gen) if gen else None,
+    return {"whole_run_mean_step_s": statistics.mean(seconds) if seconds else None,
+            "generation_step_s": statistics.median(gen) if gen else None,
             "train_step_s": statistics.median(train) if train else None,
             "mean_step_s": statistics.mean(s for _i, s in later) if later else None}
+
+
+def whole_run_tokens_per_s(generations: list) -> Optional[float]:
+    """Tokens over generation seconds, every generation counted (the first one's
+    compilation and warm-up included)."""
+    timed = [g for g in generations if g.get("tokens") is not None and g.get("generate_s")]
+    seconds = sum(g["generate_s"] for g in timed)
+    return sum(g["tokens"] for g in timed) / seconds if seconds > 0 else None
 
 
 def amem_record(callback, rec: Recorder) -> Optional[dict]:
@@ -754,7 +768,7 @@ def run_rank(args) -> int:
     import torch.distributed as dist
 
     from tests.gpu.common import ON_CPU, StepTimer, bind_device, cpu_notes, gloo_group, \
-        nccl_library, policy_backend, provenance, ranks_per_gpu
+        machine, nccl_library, policy_backend, provenance, ranks_per_gpu
 
     cpu = ON_CPU
     log = VllmLog()
@@ -851,6 +865,7 @@ def run_rank(args) -> int:
         rec.stage = "train"
         rec.start_sampler()
         trainer.train()
+        out["whole_run_s"] = time.monotonic() - PROCESS_STARTED  # start to the last step
         rec.stop_sampler()
         logs = [h for h in trainer.state.log_history if "loss" in h]
         out.update(loss=[h["loss"] for h in logs], grad_norm=[h.get("grad_norm") for h in logs],
@@ -867,6 +882,8 @@ def run_rank(args) -> int:
     out.update(vllm=parse_vllm_lines(log.lines), generations=rec.generations,
                memory_minima=rec.minima(), step_seconds=timer.steps,
                **step_figures(timer.steps, args.steps_per_generation),
+               whole_run_tokens_per_s=whole_run_tokens_per_s(rec.generations),
+               machine=machine(),
                events=[{k: v for k, v in e.items() if k != "t"} for e in rec.events],
                amem=amem_record(callback, rec) if out["failed"] is None else None,
                nccl=getattr(nccl_library(), "version_str", None),
@@ -915,6 +932,8 @@ def merge_run(prefix: str, log_lines=(), meta: Optional[dict] = None) -> dict:
             with open(os.path.join(folder, name)) as f:
                 ranks[int(m.group(1))] = json.load(f)
     run = dict(meta or {})
+    # the ranks of one run are one launch: one commit, or the record is not this run's
+    one_commit({f"rank {r}": d.get("commit") for r, d in ranks.items()})
     failures = {r: d["failed"] for r, d in ranks.items() if d.get("failed")}
     log_failure = failure_line(log_lines)
     world = (meta or {}).get("ranks") or (max(ranks) + 1 if ranks else 0)
@@ -967,7 +986,13 @@ def merge_run(prefix: str, log_lines=(), meta: Optional[dict] = None) -> dict:
     first = ranks.get(min(ranks)) if ranks else {}
     amem = [d["amem"] for d in ranks.values() if d.get("amem")]
     headrooms = [a["headroom"] for a in amem if a.get("headroom")]
+    whole_rates = values("whole_run_tokens_per_s")
     run.update(
+        # whole-run figures first: the slowest rank's start-to-last-step and mean step
+        # over every step, tokens/s over every generation (warm-up included)
+        whole_run_s=max(values("whole_run_s"), default=None),
+        whole_run_mean_step_s=max(values("whole_run_mean_step_s"), default=None),
+        whole_run_tokens_per_s=statistics.mean(whole_rates) if whole_rates else None,
         kv_cache_bytes=min(kv) if kv else None, kv_cache_tokens=min(tokens) if tokens else None,
         tokens_per_s=statistics.mean(per_rank_rate) if per_rank_rate else None,
         generation_step_s=max(values("generation_step_s"), default=None),
@@ -985,7 +1010,8 @@ def merge_run(prefix: str, log_lines=(), meta: Optional[dict] = None) -> dict:
                        default=None),
         headroom_suggested=min((h["suggested"] for h in headrooms), default=None),
         headroom_line=headrooms[0]["line"] if headrooms else None,
-        versions=(first or {}).get("versions"), commit=(first or {}).get("commit"),
+        versions=(first or {}).get("versions"), machine=(first or {}).get("machine"),
+        commit=(first or {}).get("commit"),
         git_head=(first or {}).get("git_head"),
         command=run.get("command") or (first or {}).get("command"))
     return run
@@ -1249,35 +1275,46 @@ def summarise(state: dict) -> dict:
             "runs_done": sorted(runs), "runs_planned_next": state.get("next", [])}
 
 
-PAIR_KEYS = ("kv_cache_tokens", "tokens_per_s", "mean_step_s")
+#: whole-run figures first (the headline), then the steady state's (first generation out)
+PAIR_KEYS = ("whole_run_mean_step_s", "whole_run_tokens_per_s", "whole_run_s",
+             "kv_cache_tokens", "tokens_per_s", "mean_step_s")
+#: the variant of the largest share that ran without the package (the search's):
+#: a run with the package is compared with it wherever its own share failed without
+BEST_WITHOUT = "best"
 
 
 def interleaved_pairs(runs: dict) -> dict:
     """Each run with the package against the run without it of the same pair index:
     at the same share where that run finished, else (the raised share ran out of
-    memory without the package) at the default share, which is what such a user
-    runs. A pair counts only where both ran the same number of steps (a mean step
-    over 32 steps weighs its generations otherwise than one over 48). Per variant:
-    the pairs, and the median and range of each ratio over the pairs that count."""
+    memory without the package) at the largest share that ran without it (the
+    ``best`` variant, the search's), else, in records older than the search, at the
+    default share (said in the pair: ``against``). A pair counts only where both
+    ran the same number of steps (a mean step over 32 steps weighs its generations
+    otherwise than one over 48) with one commit. Per variant: the pairs, and the
+    median and range of each ratio over the pairs that count."""
     out = {}
     for name in sorted(runs):
         run = runs[name]
         variant, _, index = name.rpartition("-amem-")
         if not (variant and index.isdigit() and run.get("amem") and run.get("ok")):
             continue
-        without = f"{variant}-base-{index}"
-        if not (runs.get(without) or {}).get("ok"):
-            without = f"default-base-{index}"
-        against = runs.get(without) or {}
-        if not against.get("ok"):
+        candidates = [(f"{variant}-base-{index}", "the same share"),
+                      (f"{BEST_WITHOUT}-base-{index}", "the largest share that ran without"),
+                      (f"default-base-{index}", "the default share (not the best without)")]
+        without, against_what = next(((n, why) for n, why in candidates
+                                      if (runs.get(n) or {}).get("ok")), (None, None))
+        if without is None:
             continue
+        against = runs[without]
         steps = (len(run.get("loss") or []), len(against.get("loss") or []))
+        same_code = run.get("commit") == against.get("commit") or not (
+            run.get("commit") and against.get("commit"))  # records before commits: as before
         ratio = {k: (round(run[k] / against[k], 4) if run.get(k) and against.get(k) else None)
                  for k in PAIR_KEYS}
         out.setdefault(variant, {"pairs": []})["pairs"].append(
             {"with": name, "without": without, "without_share": against.get("share"),
-             "steps": list(steps), "counts": steps[0] == steps[1] and steps[0] > 0,
-             "ratio": ratio})
+             "against": against_what, "steps": list(steps), "same_commit": same_code,
+             "counts": steps[0] == steps[1] and steps[0] > 0 and same_code, "ratio": ratio})
     for rows in out.values():
         counted = [p["ratio"] for p in rows["pairs"] if p["counts"]]
         rows["counted"] = len(counted)

@@ -21,6 +21,7 @@ from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from amem_callbacks.tools.pairs import MixedCommits, one_commit  # noqa: E402
 from tests.gpu import trl_vllm_gpu as drv  # noqa: E402
 
 #: the exit statuses of a bound that cut the run (timeout's own, and its -k kill)
@@ -105,7 +106,16 @@ def repack_logs(archive: str, additions: list) -> None:
     os.replace(tmp, archive)
 
 
-def fold(results: str, series: list, label: str) -> dict:
+def check_commits(state: dict, why: Optional[str], label: str) -> None:
+    """Every run of the folder from one commit, or the reason they may be folded kept
+    in state.json ("mixed_commits"), by the label that brought them (pairs.one_commit)."""
+    commits = {name: run.get("commit") for name, run in state["runs"].items()}
+    one_commit(commits, why)
+    if why:
+        state.setdefault("mixed_commits", {})[label] = why
+
+
+def fold(results: str, series: list, label: str, mixed_commits_why: Optional[str] = None) -> dict:
     os.makedirs(results, exist_ok=True)
     path = os.path.join(results, "state.json")
     state = {"runs": {}, "shares": {}, "left_out": {}}
@@ -141,6 +151,7 @@ def fold(results: str, series: list, label: str) -> dict:
                 additions.append((name, os.path.join(root, name)))
                 print(f"{name}: ok={run['ok']} KV {run.get('kv_cache_tokens')} tokens, "
                       f"{run.get('tokens_per_s')} tokens/s, mean step {run.get('mean_step_s')} s")
+        check_commits(state, mixed_commits_why, label)  # before anything is written
         repack_logs(os.path.join(results, "logs.tgz"), additions)
     summary = drv.summarise(state)
     summary["left_out"] = state["left_out"]
@@ -157,8 +168,13 @@ def main(argv=None) -> int:
     p.add_argument("results")
     p.add_argument("series", nargs="+", help="series.tgz files or the folders they pack")
     p.add_argument("--label", required=True, help='e.g. "session O o1": where the runs came from')
+    p.add_argument("--mixed-commits-why", metavar="TEXT",
+                   help="fold runs of different commits, for this reason (kept in state.json)")
     args = p.parse_args(argv)
-    summary = fold(args.results, args.series, args.label)
+    try:
+        summary = fold(args.results, args.series, args.label, args.mixed_commits_why)
+    except MixedCommits as exc:
+        raise SystemExit(str(exc)) from None
     print(json.dumps({"pairs": summary["pairs"],
                       "raised_share_fails_without": summary["raised_share_fails_without"]},
                      indent=1))
