@@ -3,6 +3,7 @@ loop, KV-bound, with and without the package, in interleaved pairs.
 
     python3 experiments/rollout_gain.py plan [OUT] [--preset P]   # the arithmetic; no GPU
     python3 experiments/rollout_gain.py calibrate OUT [--preset P]   # the memory a run needs
+    python3 experiments/rollout_gain.py search OUT [--preset P]   # the largest buffer without
     python3 experiments/rollout_gain.py curve OUT [--preset P] [--points 14.67 10.5:88]
     python3 experiments/rollout_gain.py run OUT --pairs 3 [--first 0] [--control] [--preset P]
         [--sides without,with | nogrow,with | nogrow,twin] [--only SIDE] [--gpus N]
@@ -76,6 +77,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from amem_callbacks.tools.pairs import Interleaved, MixedCommits, Pair, one_commit  # noqa: E402
+from experiments.largest_setting import Search  # noqa: E402
 from tests.gpu import megatron_runs as runs  # noqa: E402
 from tests.gpu.common import require_installed_package  # noqa: E402
 
@@ -480,6 +482,50 @@ def _pairs(args, wave, sides: tuple, port: int) -> list:
                                             port, gpu=2 * slot + gpu_offset)))
             port += 2
     return [(side, finish_run(args, run_)) for side, run_ in started]
+
+
+def search(args) -> int:
+    """The yardstick (issue 59): the largest KV buffer that runs without the package,
+    on the grid --buffer-gb + k * --search-step (default: the calibration's slack) up
+    to --search-high, bisected (experiments/largest_setting.py), one run at a time.
+    Resumable: the runs already in OUT count. OUT/search.json keeps every trial, the
+    failures included, and the largest buffer that ran: both sides of the pairs then
+    launch at it (``run --buffer-gb``), the side with the package growing from it."""
+    runs.install_bundle()
+    os.makedirs(args.out, exist_ok=True)
+    step = args.search_step or args.slack_gb
+    found = Search(args.buffer_gb, step, max(args.buffer_gb, args.search_high
+                                             or args.buffer_gb + 4 * step))
+    names = {}
+    for path in sorted(glob.glob(os.path.join(args.out, "search_without_*.outcome.json"))):
+        prefix = path[:-len(".outcome.json")]
+        value = float(os.path.basename(prefix).split("_")[2])
+        found.record(value, _fits(figures(prefix)))
+        names.setdefault(value, []).append(os.path.basename(prefix))
+    port = 29600
+    while found.next() is not None:
+        value = found.next()
+        tries = len(found.trials.get(value, []))
+        name = f"search_without_{value:g}" + (f"_{tries}" if tries else "")
+        one_run(args, name, "without", value, port)
+        found.record(value, _fits(figures(os.path.join(args.out, name))))
+        names.setdefault(value, []).append(name)
+        port += 2
+    result = dict(found.as_dict(), runs={str(v): n for v, n in sorted(names.items())},
+                  preset=args.preset, best_buffer_gb=found.largest_fit)
+    with open(os.path.join(args.out, "search.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps({k: result[k] for k in ("largest_fit", "smallest_fail", "stuck")}),
+          flush=True)
+    return 1 if found.stuck() or found.largest_fit is None else 0
+
+
+def _fits(figures_: dict):
+    """True where the run finished, False where it ran out of memory, else None (cut or
+    crashed: it says nothing about fitting)."""
+    if figures_.get("complete"):
+        return True
+    return False if figures_.get("oom") else None
 
 
 def calibrate(args) -> int:
@@ -955,7 +1001,8 @@ def pack(out: str, to: str = None) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", choices=("plan", "run", "calibrate", "curve", "merge", "plot"))
+    parser.add_argument("what", choices=("plan", "run", "search", "calibrate", "curve", "merge",
+                                         "plot"))
     parser.add_argument("out", nargs="?", default=None)
     parser.add_argument("--preset", choices=sorted(presets.PRESETS), default="tiny_kv")
     parser.add_argument("--mixed-commits-why", metavar="TEXT",
@@ -988,6 +1035,10 @@ def main(argv=None) -> int:
                         help="memory each rank keeps for this run; the rest of its share of the "
                              "GPU is held by the stand-in allocation (default: the preset's)")
     parser.add_argument("--control-extra-gb", type=float, default=4.2)
+    parser.add_argument("--search-step", type=float, default=None,
+                        help="search: the grid's step in GB (default: the calibration's slack)")
+    parser.add_argument("--search-high", type=float, default=None,
+                        help="search: the grid's top in GB (default: four steps up)")
     parser.add_argument("--slack-gb", type=float, default=None,
                         help="calibrate: memory left unused by the run without the package "
                              "(default: the plan's)")
@@ -1019,7 +1070,10 @@ def main(argv=None) -> int:
                      f"--only {' or --only '.join(args.sides.split(','))}")
     if args.what != "plan" and not args.out:
         parser.error(f"{args.what} needs OUT")
-    return {"plan": plan_command, "run": run, "calibrate": calibrate, "curve": curve,
+    if args.search_step is not None and args.search_step <= 0:
+        parser.error(f"--search-step {args.search_step}: write a step > 0 in GB, e.g. 0.5")
+    return {"plan": plan_command, "run": run, "search": search, "calibrate": calibrate,
+            "curve": curve,
             "merge": merge, "plot": lambda a: 0 if plot_pair(a.out, a.pair) else 1}[args.what](
         args)
 

@@ -1139,3 +1139,39 @@ def test_the_merge_refuses_records_of_another_commit_unless_told_why(records, tm
     assert rollout_gain.main(["merge", str(out), "--mixed-commits-why", why]) == 0
     gain = json.load(open(out / "rollout_gain.json"))
     assert gain["mixed_commits_why"] == why and gain["commit"] is None
+
+
+def test_the_search_finds_the_largest_buffer_that_runs_without_the_package(
+        records, tmp_path, fake_runs, monkeypatch):
+    """The yardstick (issue 59): bisected over --buffer-gb + k * --search-step, each run
+    without the package; one that ran out of memory is a failure. Resumable: a second
+    call with the same OUT counts the runs there and starts none."""
+    source, edge = os.path.join(records["pairs"], "pair0_without"), 16.0
+
+    class Sized(FakeRun):  # fits up to the edge, runs out of memory above it
+        def wait(self):
+            buffer = float(last_values(parse_command(self.argv)[2])[
+                "--inference-dynamic-batching-buffer-size-gb"])
+            if buffer <= edge:
+                FakeRun.records_from[self.name] = source
+                return super().wait()
+            return {"name": self.name, "rc": 1, "hung": False, "seconds": 1.0,
+                    "command": " ".join(self.argv), "log": self.log,
+                    "tail": "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate"}
+
+    monkeypatch.setattr(megatron_runs, "Run", Sized)
+    argv = ["search", str(tmp_path), "--preset", "qwen3_1_7b", "--buffer-gb", "14",
+            "--search-step", "0.5", "--search-high", "18"]
+    assert rollout_gain.main(argv) == 0
+    assert [r.name for r in FakeRun.started] == [
+        "search_without_14", "search_without_18", "search_without_16", "search_without_17",
+        "search_without_16.5"]
+    result = json.load(open(tmp_path / "search.json"))
+    assert (result["largest_fit"], result["smallest_fail"], result["best_buffer_gb"]) == (
+        16.0, 16.5, 16.0)
+    assert result["trials"]["18.0"] == [False] and result["runs"]["16.5"] == [
+        "search_without_16.5"]
+    settings, _, train_rl = parse_command(FakeRun.started[0].argv)
+    assert settings is None  # every search run is without the package
+    FakeRun.started.clear()
+    assert rollout_gain.main(argv) == 0 and FakeRun.started == []

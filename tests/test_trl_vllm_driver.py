@@ -203,7 +203,7 @@ def test_raised_shares_are_the_headroom_line_and_the_per_rank_figure():
 
 def plan_args(**kw):
     base = dict(share=None, ballast_gib=0.0, probe_share=0.3, kv_target_gib=1.0, slack_gib=0.5,
-                pairs=2, raised_pairs=1)
+                pairs=2, raised_pairs=1, search_step=None, search_high=None)
     return argparse.Namespace(**dict(base, **kw))
 
 
@@ -243,6 +243,51 @@ def test_the_plan_probes_then_runs_abba_pairs_then_the_raised_shares_without_fir
     # the headroom line suggested no raise: only the per-rank figure is tried
     state["runs"]["default-amem-0"]["headroom_suggested"] = default
     assert not [r for r in drv.plan_runs(state, plan_args()) if "headroom" in r["name"]]
+
+
+def test_the_search_finds_the_largest_share_without_then_with_then_pairs_them():
+    """The yardstick (issue 59): on one grid from the default share, the largest share
+    that runs without the package (bisected; an out-of-memory run is a failure, a run
+    cut without one is tried again), then the largest with it, then ABBA pairs."""
+    oom = {"oom": {"kind": "cuMem out of memory (sleep-mode wake-up)", "line": "out of memory"}}
+    args = plan_args(share=0.027, ballast_gib=29.476, search_step=0.0039, search_high=0.0465)
+    state = {"runs": {}}
+    # without the package: 0.027 fits, 0.0465 fails, 0.0348 fits; 0.0387 is cut once,
+    # then fails. With it, from 0.0348 on the same grid: up to 0.0426 fits.
+    without = {0.027: [True], 0.0465: [False], 0.0348: [True], 0.0387: [None, False]}
+    with_ = {0.0348: [True], 0.0465: [False], 0.0387: [True], 0.0426: [True]}
+    order = []
+    while True:
+        todo = drv.plan_runs(state, args)
+        run = todo[0]
+        if not run["name"].startswith("search-"):
+            break
+        order.append(run["name"])
+        assert run["ballast_gib"] == 29.476 and run["variant"] in ("search_base", "search_amem")
+        outcomes = with_ if run["amem"] else without
+        fits = outcomes[run["share"]].pop(0)
+        state["runs"][run["name"]] = dict(run, ok=fits is True,
+                                          failed=None if fits else (oom if fits is False else
+                                                                    {"oom": None}))
+    assert order == ["search-base-0.027", "search-base-0.0465", "search-base-0.0348",
+                     "search-base-0.0387", "search-base-0.0387-1",
+                     "search-amem-0.0348", "search-amem-0.0465", "search-amem-0.0387",
+                     "search-amem-0.0426"]
+    assert state["search"]["base"]["largest_fit"] == 0.0348
+    assert state["search"]["base"]["smallest_fail"] == 0.0387
+    assert state["search"]["amem"]["largest_fit"] == 0.0426
+    assert [(r["name"], r["share"]) for r in todo] == [
+        ("raised-amem-0", 0.0426), ("best-base-0", 0.0348), ("best-base-1", 0.0348),
+        ("raised-amem-1", 0.0426)]
+    assert drv.summarise(state)["search"]["base"]["trials"]["0.0387"] == [None, False]
+
+
+def test_a_search_that_cannot_tell_stops_and_says_why():
+    args = plan_args(share=0.027, ballast_gib=1.0, search_step=0.004, search_high=0.035)
+    state = {"runs": {"search-base-0.027": {"share": 0.027, "ok": False, "failed": {"oom": {}}}}}
+    state["runs"]["search-base-0.027"]["failed"]["oom"] = {"line": "out of memory"}
+    with pytest.raises(SystemExit, match="lowest setting 0.027 does not fit"):
+        drv.plan_runs(state, args)
 
 
 def test_the_plan_follows_the_headroom_line_while_the_share_before_still_fitted():

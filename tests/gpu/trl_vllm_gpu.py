@@ -81,6 +81,7 @@ if ROOT not in sys.path:
 
 from tests.gpu.short_wake import parse_short_wake  # noqa: E402 - after the path is set
 from amem_callbacks.tools.pairs import one_commit  # noqa: E402
+from experiments.largest_setting import Search  # noqa: E402
 
 GIB = 2**30
 #: the share TRL's GRPOConfig defaults to (vllm_gpu_memory_utilization)
@@ -1163,6 +1164,8 @@ def plan_runs(state: dict, args) -> list:
             plan = state["edge"] = calibrated(plan, runs["calibrate"], args.slack_gib)
         default, ballast = plan["share"], plan["ballast_gib"]
     state["shares"] = dict(state.get("shares") or {}, default=default)
+    if args.search_step:
+        return [r for r in search_runs(state, args, default, ballast) if r["name"] not in runs]
     defaults = [{"name": f"default-{'amem' if amem else 'base'}-{i}", "share": default,
                  "amem": amem, "ballast_gib": ballast, "variant": "default"}
                 for i in range(args.pairs) for amem in pair_order(i)]
@@ -1198,6 +1201,51 @@ def plan_runs(state: dict, args) -> list:
         raise_to("raised_per_rank", raised["per_rank"])
     todo.extend(defaults[2:])
     return [r for r in todo if r["name"] not in runs]
+
+
+def fits(run: dict) -> Optional[bool]:
+    """True where the run finished, False where it ran out of memory, else None (cut
+    or crashed: it says nothing about fitting)."""
+    if run.get("ok"):
+        return True
+    return False if (run.get("failed") or {}).get("oom") else None
+
+
+def search_of(state: dict, side: str, low: float, args) -> Search:
+    """The search of one side (``base`` or ``amem``), replayed from its runs."""
+    search = Search(low, args.search_step, max(low, args.search_high))
+    for name, run in sorted(state["runs"].items()):
+        if name.startswith(f"search-{side}-"):
+            search.record(run["share"], fits(run))
+    return search
+
+
+def search_runs(state: dict, args, default: float, ballast: float) -> list:
+    """The yardstick (issue 59): the largest share that runs without the package, on
+    the grid default + k * --search-step up to --search-high; then the largest that
+    runs with it, from there on the same grid; then --pairs interleaved pairs of the
+    two (``best-base-i`` against ``raised-amem-i``), ABBA. The searches, their
+    failures included, stay in the state ("search")."""
+    runs, found = state["runs"], {}
+    for side, amem in (("base", False), ("amem", True)):
+        low = default if side == "base" else found["base"]
+        search = search_of(state, side, low, args)
+        state.setdefault("search", {})[side] = search.as_dict()
+        if search.stuck():
+            raise SystemExit(f"the search {'with' if amem else 'without'} the package: "
+                             f"{search.stuck()}")
+        value = search.next()
+        if value is not None:
+            tries = len(search.trials.get(value, []))
+            return [{"name": f"search-{side}-{value:g}" + (f"-{tries}" if tries else ""),
+                     "share": value, "amem": amem, "ballast_gib": ballast,
+                     "variant": f"search_{side}"}]
+        found[side] = search.largest_fit
+    state["shares"].update(best=found["base"], raised=found["amem"])
+    return [{"name": f"{'raised' if amem else 'best'}-{'amem' if amem else 'base'}-{i}",
+             "share": found["amem"] if amem else found["base"], "amem": amem,
+             "ballast_gib": ballast, "variant": "raised" if amem else BEST_WITHOUT}
+            for i in range(args.pairs) for amem in pair_order(i)]
 
 
 def summarise(state: dict) -> dict:
@@ -1271,7 +1319,7 @@ def summarise(state: dict) -> dict:
             "raised_share_fails_without_by_variant": fails_without,
             "raised_share_runs_with": runs_with, "failure_lines": lines,
             "max_loss_difference_at_one_share": same_share_losses,
-            "pairs": interleaved_pairs(runs),
+            "pairs": interleaved_pairs(runs), "search": state.get("search"),
             "runs_done": sorted(runs), "runs_planned_next": state.get("next", [])}
 
 
@@ -1617,6 +1665,11 @@ def main(argv: Optional[list] = None) -> int:
                         "peaks the readings miss (0.5 ran out of memory on one H100)")
     p.add_argument("--pairs", type=int, default=2)
     p.add_argument("--raised-pairs", type=int, default=1)
+    p.add_argument("--search-step", type=float, default=None,
+                   help="search the largest share that runs without the package, then with "
+                        "it, on the grid default + k * STEP, then pair the two (--pairs)")
+    p.add_argument("--search-high", type=float, default=None,
+                   help="the grid's top (with --search-step)")
     p.add_argument("--run-timeout-s", type=float, default=420)
     p.add_argument("--budget-s", type=float, default=540, help="stop starting runs past this")
     add_run_flags(p, orchestrator=True)
@@ -1624,6 +1677,10 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("prefix")
     p.add_argument("--log")
     args = parser.parse_args(argv)
+    if args.command == "pairs" and args.search_step is not None and (
+            args.search_step <= 0 or args.search_high is None):
+        parser.error(f"--search-step {args.search_step} needs a step > 0 and --search-high, "
+                     "the grid's top: e.g. --search-step 0.0039 --search-high 0.0465")
     if getattr(args, "git_head", None):  # what common.provenance records for an export
         os.environ["AMEM_COMMIT"] = args.git_head
     if args.command == "run":
