@@ -810,8 +810,9 @@ def gain_summary(result: Interleaved, control, commands: list) -> dict:
         # of the pairs); every key after this block is the steady state (rollout 0 out)
         "whole_run": {key: {"ratio": result.ratio(key), "spread": result.spread(key),
                             "per_side": per_side(key)}
+                      # seconds: the job's launch to its exit, as its outcome timed it
                       for key in ("whole_run_s", "whole_iteration_s",
-                                  "whole_rollout_tokens_per_s")},
+                                  "whole_rollout_tokens_per_s", "seconds")},
         "capacity_ratio": capacity, "capacity_ratio_spread": result.spread("kv_token_capacity"),
         "rollout_tokens_per_s_ratio": tokens,
         "rollout_tokens_per_s_ratio_spread": result.spread("tokens_per_s"),

@@ -1175,3 +1175,16 @@ def test_the_search_finds_the_largest_buffer_that_runs_without_the_package(
     assert settings is None  # every search run is without the package
     FakeRun.started.clear()
     assert rollout_gain.main(argv) == 0 and FakeRun.started == []
+
+
+def test_the_qwen3_records_whole_run_figures_are_what_the_merge_gives(tmp_path):
+    """results/one_h200/rollout_gain_qwen3_dp2/whole_run.json, from its own runs.tgz by
+    today's merge: every rollout counted (rollout 0 included), each job launch to exit."""
+    folder = os.path.join(ROOT, "results", "one_h200", "rollout_gain_qwen3_dp2")
+    with tarfile.open(os.path.join(folder, "runs.tgz")) as tar:
+        tar.extractall(tmp_path, filter="data")
+    assert rollout_gain.main(["merge", str(tmp_path), "--preset", "qwen3_1_7b"]) == 0
+    gain = json.load(open(tmp_path / "rollout_gain.json"))
+    stored = json.load(open(os.path.join(folder, "whole_run.json")))
+    assert stored["whole_run"] == json.loads(json.dumps(gain["whole_run"]))
+    assert 0.84 < stored["whole_run"]["seconds"]["ratio"] < 0.93  # launch to exit, with/without

@@ -961,3 +961,26 @@ def test_the_series_merge_leaves_out_a_run_cut_mid_training_and_keeps_a_failed_o
     assert summary["failure_lines"]["raised_headroom"] == [
         {"kind": "cuMem out of memory (sleep-mode wake-up)",
          "line": "CUDA Error: out of memory at cumem_allocator.cpp:163"}]
+
+
+def test_recompute_gives_the_whole_run_pairs_of_the_committed_kv_series():
+    """results/one_h100/trl_vllm_colocate_kv merged again from its own records: the
+    default pairs over every step are the figures issue 59 recomputed by hand (the
+    first generation counted), not the steady state's."""
+    import shutil
+    import tempfile
+
+    from tests.gpu import vllm_series_merge
+
+    source = os.path.join(ROOT, "results", "one_h100", "trl_vllm_colocate_kv")
+    with tempfile.TemporaryDirectory() as scratch:
+        for leaf in ("state.json", "logs.tgz"):
+            shutil.copy(os.path.join(source, leaf), scratch)
+        got = vllm_series_merge.recompute(scratch)
+    ratios = [p["ratio"] for p in got["pairs"]["default"]["pairs"]]
+    assert [round(r["whole_run_mean_step_s"], 3) for r in ratios] == [1.017, 1.006, 1.177, 1.075]
+    assert [round(r["mean_step_s"], 3) for r in ratios] == [1.001, 0.995, 1.199, 1.034]
+    # the raised share's pairs say what they are set beside: the default share
+    assert {p["against"] for p in got["pairs"]["raised_headroom_2"]["pairs"]} == {
+        "the default share (not the best without)"}
+    assert json.load(open(os.path.join(source, "whole_run.json")))["pairs"] == got["pairs"]

@@ -955,6 +955,12 @@ def merge_run(prefix: str, log_lines=(), meta: Optional[dict] = None) -> dict:
                    "errors": {r: f["error"][:400] for r, f in failures.items()},
                    "oom": oom, "rc": rc, "hung": hung})
 
+    for d in ranks.values():  # records older than the whole-run keys: from their own steps
+        if d.get("whole_run_mean_step_s") is None and d.get("step_seconds"):
+            d["whole_run_mean_step_s"] = statistics.mean(d["step_seconds"])
+        if d.get("whole_run_tokens_per_s") is None and d.get("generations"):
+            d["whole_run_tokens_per_s"] = whole_run_tokens_per_s(d["generations"])
+
     def values(key):
         return [d.get(key) for d in ranks.values() if d.get(key) is not None]
 

@@ -163,14 +163,60 @@ def fold(results: str, series: list, label: str, mixed_commits_why: Optional[str
     return summary
 
 
+def recompute(results: str) -> dict:
+    """Every run of a results folder merged again from its rank JSONs (logs.tgz) by
+    today's merge, with the row state.json keeps of it (share, side, how it ended),
+    and the pairs of those: RESULTS/whole_run.json. For records older than the
+    whole-run figures: their mean step over every step and tokens over every
+    generation come from the records' own steps and generations."""
+    with open(os.path.join(results, "state.json")) as f:
+        state = json.load(f)
+    meta_keys = ("name", "share", "amem", "ballast_gib", "variant", "rc", "hung", "ranks",
+                 "command", "seconds", "series")
+    runs = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        with tarfile.open(os.path.join(results, "logs.tgz")) as tar:
+            tar.extractall(scratch, filter="data")
+        for name, row in state["runs"].items():
+            folder = os.path.join(scratch, name)
+            if not os.path.isdir(folder):
+                continue
+            meta = {k: row.get(k) for k in meta_keys if k in row}
+            run = drv.merge_run(os.path.join(folder, "rank"), (), meta)
+            run["ok"] = row.get("ok")  # how it ended is the series' word (rc.txt, log)
+            runs[name] = run
+    keys = ("share", "amem", "ok", "commit", "whole_run_s", "whole_run_mean_step_s",
+            "whole_run_tokens_per_s", "mean_step_s", "tokens_per_s", "kv_cache_tokens")
+    out = {"how": "python3 tests/gpu/vllm_series_merge.py RESULTS --recompute: each run's "
+                  "rank JSONs in logs.tgz merged again; whole_run_* count every step and "
+                  "generation (warm-up included), mean_step_s and tokens_per_s leave the "
+                  "first generation out (the steady state); whole_run_s is None where the "
+                  "records predate the process's start mark",
+           "runs": {n: {k: r.get(k) for k in keys} for n, r in sorted(runs.items())},
+           "pairs": drv.interleaved_pairs(runs)}
+    with open(os.path.join(results, "whole_run.json"), "w") as f:
+        json.dump(out, f, indent=1)
+        f.write("\n")
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("results")
-    p.add_argument("series", nargs="+", help="series.tgz files or the folders they pack")
-    p.add_argument("--label", required=True, help='e.g. "session O o1": where the runs came from')
+    p.add_argument("series", nargs="*", help="series.tgz files or the folders they pack")
+    p.add_argument("--label", help='e.g. "session O o1": where the runs came from')
+    p.add_argument("--recompute", action="store_true",
+                   help="merge RESULTS' runs again from logs.tgz into whole_run.json")
     p.add_argument("--mixed-commits-why", metavar="TEXT",
                    help="fold runs of different commits, for this reason (kept in state.json)")
     args = p.parse_args(argv)
+    if args.recompute:
+        pairs = recompute(args.results)["pairs"]
+        print(json.dumps({v: {k: rows[k] for k in drv.PAIR_KEYS} for v, rows in pairs.items()},
+                         indent=1))
+        return 0
+    if not args.series or not args.label:
+        p.error("folding needs SERIES and --label (or --recompute alone)")
     try:
         summary = fold(args.results, args.series, args.label, args.mixed_commits_why)
     except MixedCommits as exc:
