@@ -6,7 +6,9 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from amem_callbacks.errors import OptionError
-from amem_callbacks.options import OffloadOptions, check_block, plain, valid_keys
+from amem_callbacks.options import OffloadOptions
+
+from ._options_map import check_block, plain, valid_keys
 from amem_callbacks.states import BackendName, GuardMode
 
 CONFIG_KEY = "actor_rollout_ref.rollout.custom.amem"

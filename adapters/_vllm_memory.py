@@ -1,9 +1,8 @@
 """What a colocated vLLM engine is about to take when it wakes its KV cache.
 
-A begin that waits for every suspend before vLLM's KV wake-up costs the rollout
-NCCL's copy to pinned host memory (about 0.8-1.0 s per GiB; on one H100 with
-TRL 1.16 and vLLM 0.31 it lengthened each step by a quarter, results/one_h100/
-trl_vllm_colocate_first). The wait is needed only where the free memory cannot
+A begin that waits for every suspend before vLLM's KV wake-up makes the rollout
+wait for NCCL's copy to pinned host memory, which can lengthen a whole step
+(docs/evidence.md). The wait is needed only where the free memory cannot
 hold what the wake-up maps. vLLM's own allocator knows that size: its sleep mode
 keeps every cuMem allocation it made, tagged ("weights", "kv_cache") and marked
 asleep, in ``CuMemAllocator``'s singleton (vllm/device_allocator/cumem.py, the
@@ -72,9 +71,9 @@ def upcoming_bytes(tags: Optional[Iterable[str]], share: Optional[float],
     (``share`` x the GPU's ``total_bytes``, which vLLM's start-up profile filled with
     weights, activations, CUDA graphs and the cache) less what it has mapped
     already, so a generation's activations count too, and so does what stays
-    allocated through sleep (CUDA graphs): that rule overstates it (on one H100 at
-    share 0.0261 by ~0.45 GiB a rank: a begin that waited for a suspend nothing
-    needed, results/one_h100/trl_vllm_colocate). None when nothing is known."""
+    allocated through sleep (CUDA graphs): that rule overstates it, so a begin may
+    wait for a suspend nothing needed; the measured take is preferred. None when
+    nothing is known."""
     kv = wake_bytes(tags)
     if kv is not None and generation_bytes is not None:
         return kv + max(0, generation_bytes)

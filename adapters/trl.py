@@ -9,15 +9,17 @@ import sys
 from typing import Iterable, Mapping, Optional, Union
 
 from amem_callbacks import OffloadPolicy, host_backup
+from amem_callbacks.checks import check_bool
 from amem_callbacks.errors import AdapterError, OptionError
 from amem_callbacks.groups import keep_name, register_roles
 from amem_callbacks.headroom import gpu_total_bytes
 from amem_callbacks.log import logger
 from amem_callbacks.memory import torch_reserved_bytes
-from amem_callbacks.options import OffloadOptions, check_bool, map_options
+from amem_callbacks.options import OffloadOptions
 from amem_callbacks.patching import Patches
 from amem_callbacks.session import RolloutSession, SessionViews
 
+from ._options_map import map_options
 from ._trl_groups import generation_mode, groups_generation_uses, needs_settle_after_generate
 from ._vllm_memory import is_out_of_memory, upcoming_bytes
 
@@ -306,9 +308,8 @@ class AMemCallback(TrainerCallback, SessionViews):
         what the generation took beyond its KV wake-up joins the next begin's estimate.
         That take is read from torch's allocator (this process's), not from the free
         memory: where ranks share a GPU, another rank's KV wake-up landing between
-        the two readings moved the free memory (one H100: a take of 0.25 GiB read as
-        0.75 GiB, and the next begin suspended for nothing, results/one_h100/
-        trl_vllm_colocate_kv default-amem-2)."""
+        the two readings moves the free memory, and the next begin would suspend for
+        nothing."""
         at_wake, self._at_kv_wake = self._at_kv_wake, None
         if not self._inside_generate or self.session is None:
             return
@@ -317,8 +318,7 @@ class AMemCallback(TrainerCallback, SessionViews):
         if at_wake is not None and now is not None:
             # the last generation's, not the largest: what a generation allocates
             # stays reserved through vLLM's sleep, so the next one takes only what is
-            # new (one H100: 0.25 GiB at the first, 2 MiB at each later one); a
-            # larger one shows again
+            # new; a larger one shows again
             self._generation_bytes = max(now - at_wake, 0)
 
     def _hook_server(self, vllm_generation) -> None:

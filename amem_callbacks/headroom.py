@@ -15,10 +15,9 @@ holds most of it. So where the adapter can read the free memory at the
 rollout's fullest (TRL colocated: after vLLM's generate, before its sleep), the
 raise is also bounded by that reading, and a later rollout's lower figure
 revises the line (the first rollout runs before the optimizer's state exists).
-One H100, TRL 1.16 + vLLM 0.31 (results/one_h100/trl_vllm_colocate): following
-the freed bytes alone, 0.0339 -> 0.0417 ran with the package (and failed without
-it), and the line then said 0.0495: 1.24 GiB more on a GPU whose two ranks had
-1.28 GiB left free at the rollout's fullest, inside the margin.
+Following the freed bytes alone, the line once suggested a share that needed more
+than the GPU had left free at the rollout's fullest (docs/evidence.md, "Where the
+constants come from").
 """
 
 from __future__ import annotations
@@ -83,7 +82,7 @@ class Headroom:
 
 
 #: the suggestion is rounded down to this step: vLLM takes any float, and 0.01 of
-#: an H200 (1.4 GiB) is more than one DDP communicator frees
+#: a large card's memory is more than one DDP communicator frees
 STEP = 1e-4
 
 

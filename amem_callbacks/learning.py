@@ -4,8 +4,8 @@ active in that phase from the next ``begin`` on.
 Users rarely know every group their rollout touches (a logging all-reduce,
 a reward model on the world group, an evaluation callback). Without this,
 such a group is suspended at every ``begin`` and resumed by the guard a
-moment later, every step: 0.2-0.5 s per communicator on two H200s, 0.9 s
-with eight ranks on one. A learned keep enters the plan like any ``keep=``
+moment later, every step: a transition's fixed cost per communicator, paid
+twice for nothing. A learned keep enters the plan like any ``keep=``
 name, so the members of the group still agree (a rank that did not learn it
 votes to suspend, the agreement keeps it: never a hang, never a suspended
 group under a collective).

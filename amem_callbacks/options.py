@@ -8,135 +8,33 @@ came in by, with a message that says what to write instead.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import inspect
-import math
-import threading
-from typing import Callable, Mapping, Optional
+from typing import Mapping, Optional
 
 from .backends import backend_class
+from .checks import MAX_BYTES, MAX_C_INT, MAX_WAIT_S, MAX_WORKERS, check_bool, check_number, \
+    check_phase, check_wait
 from .errors import OptionError
 from .groups import existing_group_names, registered_roles
 from .states import BackendName, GuardMode, backend_name, guard_mode
 
 #: Below this many suspendable bytes a group stays active: a transition costs
-#: hundreds of ms per communicator whatever its size (measured: ~375 ms
-#: suspend, ~265 ms resume on 2xH200), and a network group's 12 MiB of socket
-#: buffers are not worth it.
+#: hundreds of ms per communicator whatever its size (NCCL's barrier, its
+#: bookkeeping), and a network group's 12 MiB of socket buffers are not worth it.
 DEFAULT_MIN_BYTES = 16 * 2**20
-# Measured on 2xH200, 8 groups (results/two_h200/bench.json): one transition
-# takes suspend 2.63 / 2.41 / 2.38 s and resume 2.01 / 1.46 / 1.27 s with 1 / 4 /
-# 8 threads; past 4 threads NCCL's own barriers dominate.
+#: Threads per transition: groups suspend side by side, but past 4 threads NCCL's
+#: own barriers dominate and more threads gain nothing (docs/evidence.md).
 DEFAULT_WORKERS = 4
 #: The words ``backend=`` and ``guard=`` take, from their enums (states.py),
 #: for argparse ``choices=`` and messages.
 BACKEND_CHOICES = BackendName.choices()
 GUARD_CHOICES = GuardMode.choices()
 
-# Upper bounds, each where a value really stops working (measured on CPython
-# 3.11, torch 2.13): past them a value passed construction and failed at the
-# first begin, with the phase already open and the guard installed.
-#: The longest wait a Python lock takes (threading.TIMEOUT_MAX, 9223372036 s on
-#: Linux, about 292 years): Event.wait(1e12) raises "timestamp out of range for
-#: platform time_t". Every wait of a transition is a lock wait. (The c10d store
-#: takes up to timedelta's limit, 8.6e13 s, so the lock is the binding one.)
-MAX_WAIT_S = threading.TIMEOUT_MAX
-WAIT_LIMIT = "threading.TIMEOUT_MAX: the longest wait a Python lock takes, about 292 years"
-#: Byte counts are 64-bit in NCCL's and CUDA's own accounts: nothing larger exists.
-MAX_BYTES = 2**63 - 1
-#: ncclSetGroupID and cudaSetDevice take a C int.
-MAX_C_INT = 2**31 - 1
-#: Threads per transition: past 4 NCCL's own barriers dominate (measured, see
-#: DEFAULT_WORKERS); far more only wait on them.
-MAX_WORKERS = 256
 #: Numeric options of the backends, checked here beside their own checks:
 #: backend -> option -> (minimum, maximum, why the maximum).
 BACKEND_NUMBERS = {
     BackendName.AMEM.value: {"group_id": (0, MAX_C_INT, "ncclSetGroupID takes a C int")}}
-
-
-def check_phase(phase) -> None:
-    if not isinstance(phase, str) or not phase:
-        raise OptionError(f"a phase is a non-empty string such as 'rollout', got {phase!r}")
-
-
-def number_range(minimum, maximum=None, integer=False, exclusive=False, why="") -> str:
-    """How a message states an accepted range: "an integer >= 0 and <= 255 (why)"."""
-    what = "an integer" if integer else "a number"
-    text = f"{what} {'>' if exclusive else '>='} {minimum}"
-    if maximum is not None:
-        whole = isinstance(maximum, float) and maximum.is_integer()
-        text += f" and <= {int(maximum) if whole else maximum}"
-    return text + (f" ({why})" if why else "")
-
-
-def shown(value, limit: int = 60) -> str:
-    """``repr(value)``, cut short: a message quotes a 400-digit integer in full otherwise."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def check_number(name, value, minimum, integer=False, exclusive=False, maximum=None,
-                 why="") -> None:
-    """A number (an integer with ``integer``), finite, above ``minimum`` and at most
-    ``maximum``; else OptionError stating the range and ``why`` it ends there."""
-    kind = int if integer else (int, float)
-    ok = isinstance(value, kind) and not isinstance(value, bool)
-    # inf and nan first: an inf passed every comparison with a minimum before
-    ok = ok and not (isinstance(value, float) and not math.isfinite(value))
-    ok = ok and (value > minimum if exclusive else value >= minimum)
-    ok = ok and (maximum is None or value <= maximum)
-    if not ok:
-        raise OptionError(f"{name} must be "
-                          f"{number_range(minimum, maximum, integer, exclusive, why)}, "
-                          f"got {shown(value)}")
-
-
-def check_wait(name, value, maximum=MAX_WAIT_S, why=WAIT_LIMIT) -> None:
-    """A number of seconds a caller may wait: > 0, finite, a wait a lock takes."""
-    check_number(name, value, minimum=0, exclusive=True, maximum=maximum, why=why)
-
-
-def number_type(what: str, ok: Callable[[float], bool]) -> Callable[[str], float]:
-    """An argparse ``type=``: a finite number ``ok`` accepts, else a message
-    saying ``what`` to write (the CLI's and Megatron's flags share these)."""
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            value = math.nan
-        if not (math.isfinite(value) and ok(value)):
-            raise argparse.ArgumentTypeError(f"{what}, got {text!r}")
-        return value
-
-    parse.__name__ = what.split(" ")[-1]
-    return parse
-
-
-def roles_type(valid, aliases: Optional[Mapping] = None) -> Callable[[str], tuple]:
-    """An argparse ``type=`` for a comma list of group roles out of ``valid``
-    (``aliases``: other spellings of them): ``"tp,dp"`` -> ``("tp", "dp")``; an
-    unknown role fails naming the valid ones."""
-    aliases = aliases or {}
-
-    def parse(text: str) -> tuple:
-        names = tuple(aliases.get(n.strip(), n.strip()) for n in text.split(",") if n.strip())
-        if not names:
-            raise argparse.ArgumentTypeError("give one or more group roles, e.g. dp,world")
-        unknown = [n for n in names if n not in valid]
-        if unknown:
-            raise argparse.ArgumentTypeError(
-                f"unknown group role(s) {', '.join(map(repr, unknown))}: choose from "
-                f"{', '.join(sorted(valid))}")
-        return names
-
-    return parse
-
-
-def check_bool(name, value) -> None:
-    if not isinstance(value, bool):
-        raise OptionError(f"{name} must be True or False, got {value!r}")
 
 
 def _names(name: str, value) -> tuple:
@@ -367,43 +265,3 @@ def options_from(options: Optional[OffloadOptions], kwargs: dict) -> OffloadOpti
     if options is None:
         return OffloadOptions(**kwargs)
     return options.replace(**kwargs) if kwargs else options
-
-
-def plain(value):
-    """An omegaconf DictConfig/ListConfig (hydra's configs) as plain containers;
-    anything else unchanged."""
-    if type(value).__module__.startswith("omegaconf"):
-        from omegaconf import OmegaConf  # optional: only hydra's configs bring omegaconf
-
-        return OmegaConf.to_container(value, resolve=True)
-    return value
-
-
-def valid_keys(table: Mapping) -> str:
-    return ", ".join(f"{key} ({description})" for key, (_, description) in table.items())
-
-
-def check_block(where: str, block: Mapping, table: Mapping) -> None:
-    """A config block's keys and value types against ``table`` (key -> (accepted
-    types, how a message describes it)); a list must hold group names (non-empty
-    strings). Each message names ``where`` and ends with the valid keys."""
-    unknown = sorted(str(k) for k in block if k not in table)
-    if unknown:
-        raise OptionError(f"{where}: unknown key(s) {unknown}; valid keys: {valid_keys(table)}")
-    for key, value in block.items():
-        types, description = table[key]
-        if not isinstance(value, types) or (isinstance(value, (list, tuple)) and not all(
-                isinstance(name, str) and name for name in value)):
-            raise OptionError(f"{where}.{key} must be {description}, got {value!r}; "
-                              f"valid keys: {valid_keys(table)}")
-
-
-def map_options(source: str, table: Mapping, given: Mapping, fixed: Optional[dict] = None) -> dict:
-    """A framework's names to OffloadOptions keywords, through one ``table``
-    (framework name -> option name); an unknown name fails listing the valid ones."""
-    unknown = sorted(set(given) - set(table))
-    if unknown:
-        raise OptionError(f"{source}: unknown option(s) {unknown}: write one of {sorted(table)}")
-    out = {table[name]: value for name, value in given.items()}
-    out.update(fixed or {})
-    return out

@@ -27,9 +27,9 @@ from .availability import is_cuda_available, is_distributed_initialized
 from .errors import OptionError, PhaseError, TransitionError, TransitionTimeout
 from .learning import LearnedKeeps
 from .log import logger
-from .options import (MAX_WAIT_S, WAIT_LIMIT, OffloadOptions, check_number, check_phase,
-                      check_wait, options_from)
-from .report import Counters, TransitionReport
+from .checks import MAX_WAIT_S, WAIT_LIMIT, check_number, check_phase, check_wait
+from .options import OffloadOptions, options_from
+from .report import Counters, TransitionReport, group_row
 from .states import GuardMode, Kind, Outcome
 from .transitions import Transitions
 
@@ -98,12 +98,13 @@ class OffloadPolicy:
         read-only :class:`~amem_callbacks.GroupView` snapshots in key order
         (empty between phases once every resume finished). Not collective.
         ``read_nccl``: also ask NCCL's own stats whether each is suspended."""
-        return () if self._transitions is None else self._transitions.views(read_nccl)
+        return () if self._transitions is None else self._transitions.book.views(read_nccl)
 
     def view(self, group, read_nccl: bool = False):
         """The :class:`~amem_callbacks.GroupView` of one ``ProcessGroup``, or
         None when this policy does not hold it (it is active). Not collective."""
-        return None if self._transitions is None else self._transitions.view_of(group, read_nccl)
+        return None if self._transitions is None else self._transitions.book.view_of(
+            group, read_nccl)
 
     # --- public ----------------------------------------------------------
     def begin(self, phase: str = "rollout", *, hold_s: float = 0.0) -> TransitionReport:
@@ -122,8 +123,8 @@ class OffloadPolicy:
                 until anything needs them over: ``end``, ``wait``, a guarded
                 call on a held group). For a caller whose next GPU work must
                 not wait: while NCCL pins the host backup of a suspend, the
-                process's GPU work stands still (measured on an H200, every
-                thread: results/one_h200/suspend_stall). Every rank of a group
+                process's GPU work stands still, from whichever thread the
+                suspend runs (docs/evidence.md). Every rank of a group
                 must suspend it before any returns from it, so a rank that
                 starts early waits (in the background) for the others.
         """
@@ -289,7 +290,6 @@ class OffloadPolicy:
     def _placement(self):
         return self._setup.placement if self._setup is not None else None
 
-    # (RolloutSession, the seam the adapters drive, reads these two)
     @property
     def _agreement(self):
         """The store agreement of this policy's set-up (None before the first begin)."""
@@ -322,28 +322,34 @@ class OffloadPolicy:
         report = self._new_report(phase, Kind.BEGIN)
         report.hold_s = hold_s
         plan = plan_begin(self._setup, self.options, phase,
-                          {**self._learned.reasons(phase), **self._transitions.broken()})
+                          {**self._learned.reasons(phase), **self._transitions.book.broken()})
         if self.options.reuse_host_backup:
             planned = sum(s.nbytes or 0 for s in plan.suspend)
             self._backup_bound = max(self._backup_bound, planned)
             host_backup.bound(self._backup_bound)
-        before = self._transitions.held_ids()
+        # what the plan fixes is in the report before anything runs; the batch's
+        # rows come back once, to _finish, on the worker
+        report.agree_seconds = plan.agree_seconds
+        report.groups = [group_row(info, Outcome.KEPT, reason) for info, reason in plan.kept]
+        report.planned = [item.info.name for item in plan.suspend]
+        book = self._transitions.book
+        before = book.held_ids()
         submitted = None
         try:
-            submitted = self._transitions.begin(report, plan, hold_s)
+            submitted = self._transitions.begin(plan, hold_s,
+                                                lambda result: self._finish(report, result))
             return self._run(submitted, report, self._counters.begins)
         except BaseException:
             if submitted is None or submitted.task.done():  # nothing will run them now
-                self._transitions.release_unstarted(before)
+                book.release_unstarted(before)
             raise
 
     def _end(self, phase: str) -> TransitionReport:
         self._counters.add("ends")
-        resumed = self._transitions.take_guard_resumes()
+        resumed = self._transitions.owner.take_counts()
         if self.options.learn_keep and resumed:
             self._learned.note(phase, resumed)
-        report = self._new_report(phase, Kind.END)
-        report = self._run(self._transitions.end(report), report, self._counters.ends)
+        report = self._queue_end(phase)
         if GuardMode(self.options.guard) is GuardMode.OFF:
             self._wait_pending()  # nothing else holds a call back until its group is back
         return report
@@ -355,16 +361,46 @@ class OffloadPolicy:
         left that phase so resumes them here; a rank that ended it normally is
         already waiting in those same resumes. Guard resumes since then are
         dropped, not learned: that phase never ended."""
-        left = self._transitions.unresumed()
+        left = self._transitions.book.unresumed()
         if not left:
             return
         logger.warning("amem_callbacks: begin(%r): %s stayed suspended after the last phase "
                        "raised; resuming them first", phase, left)
-        self._transitions.take_guard_resumes()
-        report = self._new_report(phase, Kind.END)
+        self._transitions.owner.take_counts()
         self._counters.add("ends")
-        self._run(self._transitions.end(report), report, self._counters.ends)
+        self._queue_end(phase)
         self._wait_pending()
+
+    def _queue_end(self, phase: str) -> TransitionReport:
+        """An end's report, its guard-resume rows in it before the resumes are queued."""
+        report = self._new_report(phase, Kind.END)
+        report.groups = list(self._transitions.owner.take_rows())
+        submitted = self._transitions.end(lambda result: self._finish(report, result))
+        return self._run(submitted, report, self._counters.ends)
+
+    def _finish(self, report: TransitionReport, result) -> TransitionReport:
+        """On the worker, once a batch has run: its rows and readings into ``report``,
+        the policy's figures from them; the report is done (``pending`` False)."""
+        report.groups = sorted([*report.groups, *result.rows], key=lambda g: g.key)
+        report.device_free_before, report.device_free_after = (result.device_free_before,
+                                                               result.device_free_after)
+        report.host_rss_before, report.host_rss_after = (result.host_rss_before,
+                                                         result.host_rss_after)
+        if result.held_until is not None:
+            report.held_seconds = result.held_until - report.started
+        moved = [g for g in report.groups if g.action in (
+            Outcome.SUSPENDED, Outcome.RESUMED, Outcome.WOULD_SUSPEND, Outcome.WOULD_RESUME,
+            Outcome.FAILED)]
+        report.total_seconds = report.agree_seconds + sum(g.seconds for g in moved)
+        report.wall_seconds = time.monotonic() - report.started
+        self._counters.add("transition_seconds", report.total_seconds)
+        # On a shared GPU the reading is the whole device's, not this rank's: not counted.
+        if (report.kind is Kind.BEGIN and report.device_freed_bytes is not None
+                and report.device_shared_by <= 1):
+            self._counters.record_freed(report.device_freed_bytes)
+        report.pending = False
+        logger.info("amem_callbacks: %s", report.summary())
+        return report
 
 
     def _held_names(self) -> list:
@@ -410,6 +446,8 @@ class OffloadPolicy:
         return out
 
     def _run(self, submitted, report: TransitionReport, number: int) -> TransitionReport:
+        report.planned = list(submitted.planned)
+        report.gil_held = submitted.must_wait
         self._last_report = report
         self._recent.append((number, report))
         self._pending = submitted.task
@@ -426,13 +464,14 @@ class OffloadPolicy:
         try:
             task.wait(self._timeout(timeout_s))
         except TransitionTimeout as exc:
-            stuck = self._transitions.unfinished_groups()
+            stuck = self._transitions.book.unfinished_groups()
             raise TransitionTimeout(f"{exc} Groups not finished on this rank: {stuck}.") from None
 
     def _timeout(self, timeout_s: Optional[float]) -> float:
         """The wait for a transition: the caller's, the option, else the slowest
         group's c10d timeout, which may exceed the longest wait a lock takes."""
-        chosen = timeout_s or self.options.timeout_s or self._transitions.longest_timeout_s()
+        chosen = (timeout_s or self.options.timeout_s
+                  or self._transitions.book.longest_timeout_s())
         return min(chosen, MAX_WAIT_S)
 
     def _skipped(self, phase: str, kind: Kind, why: str) -> TransitionReport:
@@ -499,3 +538,52 @@ class OffloadPolicy:
                    if count else "leave device unset: this process sees no CUDA device")
             raise OptionError(f"device={device}, but this process sees {count} CUDA "
                               f"device(s): {fix}")
+
+
+class PolicySeam:
+    """What a :class:`~amem_callbacks.RolloutSession` reads of its policy, and all of
+    it: the one internal interface between the two (the session never touches the
+    policy's private state; the policy's public surface stays its verbs)."""
+
+    __slots__ = ("_policy",)
+
+    def __init__(self, policy: OffloadPolicy):
+        self._policy = policy
+
+    @property
+    def phase_open(self) -> bool:
+        return self._policy._phase is not None
+
+    @property
+    def set_up(self) -> bool:
+        """The first begin has agreed the set-up (before it, a session shows nothing)."""
+        return self._policy._setup is not None
+
+    @property
+    def backend_name(self) -> str:
+        return getattr(self._policy._backend, "name", "none")
+
+    @property
+    def dry_run(self) -> bool:
+        """The backend frees nothing (noop): a session counts nothing as freed."""
+        return bool(getattr(self._policy._backend, "dry_run", False))
+
+    def share(self, name: str, value: str, ranks=None) -> tuple:
+        """The set-up's store agreement (``Agreement.share``) over ``ranks`` (None:
+        every rank); ``({}, [])`` before the set-up or without an agreement."""
+        agreement = self._policy._agreement
+        if agreement is None:
+            return {}, []
+        if ranks is None:
+            import torch.distributed as dist  # light import: torch at use
+
+            ranks = range(dist.get_world_size())
+        return agreement.share(name, value, ranks)
+
+    def sharing_my_device(self) -> int:
+        placement = self._policy._placement
+        return max(1, placement.sharing_my_device()) if placement is not None else 1
+
+    def wait_for_bytes(self, nbytes: Optional[int], timeout_s: Optional[float]) -> int:
+        return self._policy._wait_for_bytes(nbytes, timeout_s)
+

@@ -9,8 +9,11 @@ from typing import Optional
 from .states import Kind, Outcome, Status
 
 
-@dataclass
+@dataclass(frozen=True)
 class GroupReport:
+    """One group's row of a transition report (a new row for every change: the worker
+    that made it and the report that holds it never share a mutable one)."""
+
     key: str
     name: str
     size: int
@@ -46,6 +49,21 @@ class GroupReport:
             parts.append(f"{self.unreached_bytes / 2**20:.1f} MiB not reached: "
                          f"{self.unreached_why}")
         return "; ".join(parts)
+
+
+def group_row(info, action: Outcome, reason: str = "", suspendable: Optional[int] = None,
+              path: str = "") -> GroupReport:
+    """The row of an operation on the group ``info`` (groups.GroupInfo), before it runs:
+    what NCCL said of its memory, how the backend reaches it."""
+    memory = info.memory
+    return GroupReport(
+        key=info.key, name=info.name, size=len(info.ranks), action=action, reason=reason,
+        suspendable_bytes=suspendable if suspendable is not None else (
+            memory.suspendable if memory else None),
+        persist_bytes=memory.persist if memory else None,
+        unreached_bytes=memory.unreached_bytes if memory else 0,
+        unreached_why=memory.unreached_why if memory else "", path=path,
+        transport=info.transport)
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ from . import headroom
 from .errors import OptionError
 from .headroom import DEFAULT_MARGIN_BYTES
 from .memory import device_free_bytes
-from .options import MAX_BYTES, check_number, check_wait
+from .checks import MAX_BYTES, check_number, check_wait
 from .log import logger
 from .report import TransitionReport
 from .states import Kind, Status
@@ -91,7 +91,7 @@ class SessionViews:
     def active(self) -> bool:
         """Whether the session's phase is open on this rank."""
         session = self._viewed()
-        return session is not None and session._policy._phase is not None
+        return session is not None and session._seam.phase_open
 
     @property
     def headroom(self):
@@ -115,7 +115,7 @@ class SessionViews:
         plus the caller's waits and the headroom, flat for the framework's
         logger; {} before the policy's first begin set it up."""
         session = self._viewed()
-        if session is None or (not session.history and session._policy._setup is None):
+        if session is None or (not session.history and not session._seam.set_up):
             return {}
         out = session._policy.metrics(prefix)
         for name, seconds in session.waited.items():
@@ -160,7 +160,10 @@ class RolloutSession(SessionViews):
     """
 
     def __init__(self, policy, *, phase: str = PHASE, history: int = 16):
+        from .policy import PolicySeam  # light import: the policy module at use
+
         self._policy = policy
+        self._seam = PolicySeam(policy)  # all the session reads of the policy
         self.phase = phase
         self.history: collections.deque = collections.deque(maxlen=history)
         self.waited = {"start": 0.0, "stop": 0.0, "memory": 0.0}  # caller seconds, cumulative
@@ -241,7 +244,7 @@ class RolloutSession(SessionViews):
                                margin: int) -> Optional[TransitionReport]:
         """Collective (a store round, never NCCL): where no rank lacks memory for what
         it allocates next, suspending frees nothing anyone uses and its resume still
-        costs the next step (0.5 s a generation on one H100 with vLLM 0.31), so every
+        costs the next step (the training step waits for it), so every
         rank skips this begin; else None and they all begin. The first begin always
         runs (it measures what the headroom line reports). Every rank decides from the
         same exchanged values; one that did not arrive in time counts as lacking."""
@@ -254,7 +257,7 @@ class RolloutSession(SessionViews):
         logger.debug("amem_callbacks: rollout begin at %s skipped: every rank's next "
                      "allocation fits in its free memory", where)
         return TransitionReport(phase=self.phase, kind=Kind.BEGIN,
-                                backend=getattr(self._policy._backend, "name", "none"),
+                                backend=self._seam.backend_name,
                                 skipped="not needed: every rank's next allocation fits in "
                                         "the free memory", waited_for_bytes=0)
 
@@ -345,7 +348,7 @@ class RolloutSession(SessionViews):
         if begin is None or not self.active:
             return Freed(0, True)
         done = not begin.pending
-        if getattr(self._policy._backend, "dry_run", False):
+        if self._seam.dry_run:
             nbytes = 0  # a dry run frees nothing
         else:  # groups the guard has resumed since hold their memory again
             nbytes = sum(view.suspendable_bytes or 0 for view in self._policy.groups()
@@ -358,14 +361,7 @@ class RolloutSession(SessionViews):
         c10d store, never NCCL, so it is safe while groups are suspended; bounded
         by ``agree_timeout_s``. Returns ``({rank: value}, [ranks that did not
         arrive in time])``; ``({}, [])`` before the policy's first begin."""
-        agreement = self._policy._agreement
-        if agreement is None:
-            return {}, []
-        if ranks is None:
-            import torch.distributed as dist  # light import: torch at use
-
-            ranks = range(dist.get_world_size())
-        return agreement.share(name, value, ranks)
+        return self._seam.share(name, value, ranks)
 
     def store_barrier(self, name: str) -> list:
         """Collective over all ranks: return once every rank has called it with
@@ -398,8 +394,7 @@ class RolloutSession(SessionViews):
         return None if free is None else free // self._sharing_my_device()
 
     def _sharing_my_device(self) -> int:
-        placement = self._policy._placement
-        return max(1, placement.sharing_my_device()) if placement is not None else 1
+        return self._seam.sharing_my_device()
 
     def _wait_for_bytes(self, nbytes: Optional[int], timeout_s: Optional[float]) -> int:
         if nbytes is not None:
@@ -407,7 +402,7 @@ class RolloutSession(SessionViews):
                          why="2**63 - 1: NCCL counts bytes in 64 bits")
         if timeout_s is not None:
             check_wait("timeout_s", timeout_s)
-        return self._policy._wait_for_bytes(nbytes, timeout_s)
+        return self._seam.wait_for_bytes(nbytes, timeout_s)
 
     def _record(self, where: str, report: TransitionReport) -> TransitionReport:
         if not report.skipped:

@@ -28,7 +28,7 @@ setup)
     fi
     # the package as users install it (adapters/ becomes amem_callbacks.adapters); no registry there
     python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
-    python3 -c "import sys; sys.path.insert(0, '.'); from tests.gpu import megatron_runs as r; r.install_bundle()" \
+    python3 -c "import sys; sys.path.insert(0, '.'); from experiments import gpu_runs as r; r.install_bundle()" \
         || exit 1
     if [ ! -e $G/.warm ]; then
         # A freshly started host took 16.4 s for its first suspend of 4.5 GiB a rank (NCCL

@@ -99,9 +99,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from amem_callbacks.adapters.megatron import concurrency  # noqa: E402
-from amem_callbacks.adapters.megatron.args import DEFAULT_KV_MARGIN_GB  # noqa: E402
-from amem_callbacks.adapters.megatron.kv_cache import Launch, Size  # noqa: E402
+from amem_callbacks.adapters.megatron.sizing import (  # noqa: E402
+    DEFAULT_KV_MARGIN_GB, Launch, Size, bytes_per_request, requests_for)
 
 GiB, MiB = 2**30, 2**20
 #: what torch.cuda.mem_get_info() gave as the H200's total (the recorded runs'
@@ -331,9 +330,9 @@ def launch(preset: Preset, buffer_gb: float) -> Launch:
         vocab_size=padded_vocab(preset.model.vocab),
         inference_wrapped_model=SimpleNamespace(config=SimpleNamespace(
             params_dtype=SimpleNamespace(itemsize=2)))))
-    return Launch(Size(blocks, concurrency.requests_for(context, blocks, 1)),
+    return Launch(Size(blocks, requests_for(context, blocks, 1)),
                   block_bytes(preset), preset.block_tokens,
-                  concurrency.bytes_per_request(engine), 1, None)
+                  bytes_per_request(engine), 1, None)
 
 
 def padded_vocab(vocab: int, multiple: int = 128) -> int:

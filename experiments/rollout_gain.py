@@ -77,11 +77,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from amem_callbacks.tools.pairs import Interleaved, MixedCommits, Pair, one_commit  # noqa: E402
+from experiments import gpu_runs as runs  # noqa: E402
 from experiments.largest_setting import Search  # noqa: E402
-from tests.gpu import megatron_runs as runs  # noqa: E402
-from tests.gpu.common import require_installed_package  # noqa: E402
 
-require_installed_package()  # the presets' arithmetic is the adapter's own (installed package)
+runs.require_installed_package()  # the presets' arithmetic is the adapter's own (installed)
 from experiments import presets  # noqa: E402
 
 GiB = presets.GiB

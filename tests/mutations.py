@@ -10,7 +10,7 @@ variable :data:`ENV` (comma separated) before it runs the scenario:
     before a call) does nothing, so a call on a suspended group is neither
     resumed first nor refused.
 ``skip-resume:NAME``
-    A resume is skipped: ``Transitions._resume`` does nothing for the group
+    A resume is skipped: ``Transitions.resume_one`` does nothing for the group
     named NAME (``end()`` and the guard's resumes both run through it), so that
     group stays suspended while the policy believes it resumed.
 ``rename-view-field:OLD=NEW``
@@ -37,7 +37,7 @@ KNOWN = ("guard-off", "skip-resume", "rename-view-field")
 
 def apply(spec: str) -> list:
     """Apply every mutation in ``spec``; return their names."""
-    from amem_callbacks import transitions
+    from amem_callbacks import guard_owner, transitions
 
     applied = []
     for item in filter(None, (part.strip() for part in spec.split(","))):
@@ -46,18 +46,18 @@ def apply(spec: str) -> list:
             def before_use(self, group, kind, call):
                 return None
 
-            transitions.Transitions.before_use = before_use
+            guard_owner.GuardOwner.before_use = before_use
         elif kind == "skip-resume":
             if not arg:
                 raise ValueError("skip-resume needs a group name: skip-resume:NAME")
-            original = transitions.Transitions._resume
+            original = transitions.Transitions.resume_one
 
-            def _resume(self, state, rep, _original=original, _name=arg):
-                if state.info.name == _name:
-                    return None  # mutation: this group's resume never happens
-                return _original(self, state, rep)
+            def resume_one(self, state, _original=original, _name=arg):
+                if state.info.name == _name:  # mutation: this group's resume never happens
+                    return transitions.GroupOutcome(transitions.Outcome.RESUMED)
+                return _original(self, state)
 
-            transitions.Transitions._resume = _resume
+            transitions.Transitions.resume_one = resume_one
         elif kind == "rename-view-field":
             old, _, new = arg.partition("=")
             if not (old and new):
@@ -73,7 +73,7 @@ def apply(spec: str) -> list:
 
 def _rename_view_field(old: str, new: str) -> None:
     """GroupView with ``old`` called ``new``, everywhere the package names the class."""
-    from amem_callbacks import report, transitions
+    from amem_callbacks import group_book, report
 
     original = report.GroupView
     fields = [(new if f.name == old else f.name, f.type, dataclasses.field(default=f.default)
@@ -94,4 +94,4 @@ def _rename_view_field(old: str, new: str) -> None:
         return renamed(**{new if name == old else name: value for name, value in values.items()})
 
     report.GroupView = renamed
-    transitions.GroupView = build
+    group_book.GroupView = build

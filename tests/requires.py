@@ -50,10 +50,15 @@ def in_git_checkout(path: str) -> bool:
         return False
 
 
+def in_ci() -> bool:
+    """``CI`` is set (.ci/run sets it): the registries are reachable there."""
+    return os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
+
+
 def skip_for_download(why: str) -> None:
     """A test whose input comes from a registry that did not answer: a skip that
     names why on a host without one (a GPU machine), a failure in CI (``CI`` set),
     where the registries are reachable and a skip would hide the test for good."""
-    if os.environ.get("CI", "").lower() not in ("", "0", "false", "no"):
+    if in_ci():
         pytest.fail(f"{why} (CI is set: a download that fails here is a failure, not a skip)")
     pytest.skip(why)

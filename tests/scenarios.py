@@ -735,7 +735,7 @@ def longest_waits(args):
     """The largest timeouts the options accept work through whole phases
     (they used to pass construction and overflow at the first begin)."""
     from amem_callbacks import RolloutSession
-    from amem_callbacks.options import MAX_WAIT_S
+    from amem_callbacks.checks import MAX_WAIT_S
 
     groups, fake = fake_groups()
     out = {}
@@ -813,7 +813,7 @@ def failed_transitions(args):
     """begin/end that raise partway leave no phase open, and name every group
     still held; groups nobody suspended are released (guard off them)."""
     from amem_callbacks import RolloutSession
-    from amem_callbacks.options import MAX_C_INT
+    from amem_callbacks.checks import MAX_C_INT
 
     groups, fake = fake_groups()
     out = {}

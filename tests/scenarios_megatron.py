@@ -468,9 +468,9 @@ def loop_seam(args):
 
         param_sync.finish_before_suspend = lambda *a, **k: []
     if args.get("no_guard"):  # mutation: the guard lets every call through
-        from amem_callbacks.transitions import Transitions
+        from amem_callbacks.guard_owner import GuardOwner
 
-        Transitions.before_use = lambda *a, **k: None
+        GuardOwner.before_use = lambda *a, **k: None
     rl_utils = importlib.import_module("megatron.rl.rl_utils")
     ddp_module = importlib.import_module("megatron.rl.standin_ddp")
     rl_utils.ENGINE = make_engine()

@@ -69,19 +69,19 @@ def test_a_group_timeout_is_read_and_a_renamed_field_warns_once(caplog):
     import datetime
     import types
 
-    from amem_callbacks import transitions
+    from amem_callbacks import group_book
 
     def group(options):
         backend = types.SimpleNamespace(options=options)
         return types.SimpleNamespace(_get_backend=lambda device: backend)
 
-    assert transitions.group_timeout_s(group(types.SimpleNamespace(
+    assert group_book.group_timeout_s(group(types.SimpleNamespace(
         _timeout=datetime.timedelta(seconds=42)))) == 42
-    transitions._warned_timeout.clear()
+    group_book._warned_timeout.clear()
     renamed = group(types.SimpleNamespace(timeout=datetime.timedelta(seconds=42)))
     with caplog.at_level("WARNING", logger="amem_callbacks"):
-        assert transitions.group_timeout_s(renamed) == transitions.FALLBACK_TIMEOUT_S
-        assert transitions.group_timeout_s(renamed) == transitions.FALLBACK_TIMEOUT_S
+        assert group_book.group_timeout_s(renamed) == group_book.FALLBACK_TIMEOUT_S
+        assert group_book.group_timeout_s(renamed) == group_book.FALLBACK_TIMEOUT_S
     lines = [r.getMessage() for r in caplog.records if "c10d timeout" in r.getMessage()]
     assert len(lines) == 1 and "Set timeout_s=" in lines[0]
 

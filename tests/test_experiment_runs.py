@@ -1,4 +1,4 @@
-"""tests/gpu/megatron_runs.py's bounded run ends every process it started.
+"""experiments/gpu_runs.py's bounded run ends every process it started.
 
 On the GPU machine (2026-12-03) a curve point's ranks ended with os._exit after their
 rollout; torchrun starts each rank in a session of its own, so the killpg of the run
@@ -16,7 +16,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from tests.gpu import megatron_runs  # noqa: E402
+from experiments import gpu_runs as megatron_runs  # noqa: E402
 
 LEAVES_A_SERVER = """
 import os, subprocess, sys, time

@@ -613,7 +613,7 @@ def test_megatron_matrix_summarises_the_current_record(runs, tmp_path):
 
 
 def test_every_rl_amem_flag_the_drivers_pass_is_the_adapters():
-    """The launchers' command lines (megatron_gpu.py, megatron_runs.py, the matrix
+    """The launchers' command lines (megatron_gpu.py, experiments/gpu_runs.py, the matrix
     cells, megatron_rl_gpu.sh) against the adapter's own parser."""
     from amem_callbacks.adapters.megatron.args import launcher_parser, settings_from_args
 
@@ -629,7 +629,8 @@ def test_every_rl_amem_flag_the_drivers_pass_is_the_adapters():
     # the launcher the command lines name (megatron_runs.command, megatron_gpu.main)
     assert importlib.util.find_spec("amem_callbacks.adapters.megatron.__main__")
 
-    from tests.gpu import megatron_gpu, megatron_matrix, megatron_runs
+    from experiments import gpu_runs as megatron_runs
+    from tests.gpu import megatron_gpu, megatron_matrix
 
     for flags in (megatron_gpu.FLAGS, megatron_runs.AMEM_FLAGS,
                   *(megatron_runs.AMEM_FLAGS + cell[2] for cell in megatron_matrix.CELLS.values())):

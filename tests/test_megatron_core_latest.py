@@ -19,11 +19,10 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 
 import pytest
 
-from tests.requires import in_git_checkout, installed, skip_for_download
+from tests.requires import in_ci, in_git_checkout, installed, skip_for_download
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MEGATRON_CORE = "0.19.2"
@@ -127,7 +126,7 @@ def test_the_megatron_tests_pass_on_megatron_core_0_19_2(tmp_path, capsys):
     base = python312()
     if base is None:
         why = "no Python 3.12 here (pyenv or python3.12 on PATH): megatron-core 0.19.2 needs it"
-        if os.environ.get("CI"):
+        if in_ci():
             pytest.fail(why)
         pytest.skip(why)
     python = make_venv(base)

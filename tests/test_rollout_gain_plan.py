@@ -37,7 +37,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from experiments import presets, rollout_gain  # noqa: E402
-from tests.gpu import megatron_rl_gpu, megatron_runs  # noqa: E402
+from experiments import gpu_runs as megatron_runs  # noqa: E402
+from tests.gpu import megatron_rl_gpu  # noqa: E402
 from tests.requires import skip_for_download  # noqa: E402
 from amem_callbacks.tools.pairs import Interleaved, Pair  # noqa: E402
 

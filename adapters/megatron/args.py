@@ -6,14 +6,34 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import operator
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 from amem_callbacks.log import logger
-from amem_callbacks.options import (BACKEND_CHOICES, MAX_C_INT, OffloadOptions, number_type,
-                                    roles_type)
+from amem_callbacks.checks import MAX_C_INT, number_type
+from amem_callbacks.options import BACKEND_CHOICES, OffloadOptions
 from amem_callbacks.states import BackendName
 
 from .roles import ALIASES, VALID_KEEP
+
+def roles_type(valid, aliases: Optional[Mapping] = None) -> Callable[[str], tuple]:
+    """An argparse ``type=`` for a comma list of group roles out of ``valid``
+    (``aliases``: other spellings of them): ``"tp,dp"`` -> ``("tp", "dp")``; an
+    unknown role fails naming the valid ones."""
+    aliases = aliases or {}
+
+    def parse(text: str) -> tuple:
+        names = tuple(aliases.get(n.strip(), n.strip()) for n in text.split(",") if n.strip())
+        if not names:
+            raise argparse.ArgumentTypeError("give one or more group roles, e.g. dp,world")
+        unknown = [n for n in names if n not in valid]
+        if unknown:
+            raise argparse.ArgumentTypeError(
+                f"unknown group role(s) {', '.join(map(repr, unknown))}: choose from "
+                f"{', '.join(sorted(valid))}")
+        return names
+
+    return parse
+
 
 #: Left out of the freed bytes that grow the KV cache: the cache is one
 #: allocation, and the caching allocator rounds it up.

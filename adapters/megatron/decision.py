@@ -118,10 +118,8 @@ class GrowthDecider:
         self.latest: Optional[RolloutFigures] = None
         self._probing: Optional[str] = None  # the arm the last choice measured again
         #: the launch size's figure is the first rollout recorded, which in a new process
-        #: carries its warm-up: measured on one H200 (tiny_kv, results/one_h200/
-        #: rollout_gain_megatron_dp2_growth_off) 511-1140 tokens/s against 1074-1276 for
-        #: the launch-size rollouts after it; growth looked x1.05-1.68 against the first
-        #: and was x0.96-1.05 against those
+        #: carries its warm-up (compilation, first allocations): growth compared with it
+        #: looks better than it is, so that figure is measured again before it counts
         self.base_is_first = False
 
     def record(self, figures: RolloutFigures) -> None:

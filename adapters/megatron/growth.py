@@ -7,8 +7,10 @@ at the resume and at fixed step counts (docs/megatron.md, "Growing the KV cache"
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import time
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 from amem_callbacks.availability import is_distributed_initialized, loaded_torch
@@ -85,8 +87,8 @@ class KvCacheGrowth:
 
     def before_resume(self, engine, session) -> KvCacheReport:
         """Collective over the replica (store): the engine is about to allocate this
-        rollout's cache. Decide, then install the launch size (or, where every rank's
-        suspends are already over, the grown one)."""
+        rollout's cache. Decide, size, apply that size, report: each once (the launch
+        size, or, where every rank's suspends are already over, the grown one)."""
         context = engine.context
         why = why_not_growable(context)
         if why is not None:
@@ -94,19 +96,25 @@ class KvCacheGrowth:
                 self._warned = True
                 logger.warning("amem_callbacks: --rl-amem-grow-kv-cache does nothing here: %s", why)
             self._meter = None  # nothing to decide: nothing measured
-            return self._report(engine, None, False, why)
+            return self._report(engine, Sized(None, None, why))
         self.rollout_started(engine)
-        self.decision = None
         launch = self._launch.setdefault(id(context), Launch.of(engine))
-        freed = session.freed()
+        sized = self._size_at_resume(engine, launch, session.freed())
+        kv_cache.apply(engine, launch, sized.size)
+        self._grown = sized.grown
+        return self._report(engine, sized)
+
+    def _size_at_resume(self, engine, launch: Launch, freed) -> "Sized":
+        """The decision and the size it gives at the resume (nothing applied yet)."""
+        self.decision = None
         shared = self._share(engine, "resume", {
             "figures": None if self._previous is None else self._previous.to_json(),
             "done": freed.done, "freed": freed.nbytes})
         self._previous = None
+        at_launch = Sized(launch, launch.size, "", freed.nbytes)
         if shared is None:
-            kv_cache.apply(engine, launch, launch.size)
-            return self._report(engine, launch, False, "a rank of this replica did not report "
-                                "at the resume: launch size", freed.nbytes)
+            return at_launch.because("a rank of this replica did not report at the resume: "
+                                     "launch size")
         previous = [v["figures"] for v in shared]
         if all(previous):
             self.decider.record(combine([RolloutFigures.from_json(f) for f in previous]))
@@ -114,21 +122,16 @@ class KvCacheGrowth:
         self._announce(decision)
         extra = min(v["freed"] for v in shared) - self.margin_bytes
         if decision.grow and extra > 0 and all(v["done"] for v in shared):
-            size = launch.grown_by(context, extra)
+            size = launch.grown_by(engine.context, extra)
             if self._all_have_room(engine, launch, size, held_bytes=0):
-                kv_cache.apply(engine, launch, size)
-                self._grown = True
-                return self._report(engine, launch, True, "", freed.nbytes, extra, "resume")
-            kv_cache.apply(engine, launch, launch.size)
-            return self._report(engine, launch, False, "a rank of this replica has no room for "
-                                "it", freed.nbytes, extra)
-        kv_cache.apply(engine, launch, launch.size)
-        why = decision.why
-        if decision.grow:
-            later = why_not_mid_rollout(engine)
-            self._waiting = later is None
-            why = later or "the suspends are still running: it grows once they are over"
-        return self._report(engine, launch, False, why, freed.nbytes)
+                return Sized(launch, size, "", freed.nbytes, extra, "resume", grown=True)
+            return at_launch.because("a rank of this replica has no room for it", extra)
+        if not decision.grow:
+            return at_launch.because(decision.why)
+        later = why_not_mid_rollout(engine)
+        self._waiting = later is None
+        return at_launch.because(later or "the suspends are still running: it grows once they "
+                                 "are over")
 
     def resumed(self, seconds: float) -> None:
         """The engine's own resume took ``seconds`` (what a regrow costs at least)."""
@@ -189,22 +192,30 @@ class KvCacheGrowth:
 
     # --- internals ---------------------------------------------------------------
     def _grow_now(self, engine, freed_here: int, agreed_freed: int) -> KvCacheReport:
+        """Size, then regrow (the engine's own suspend and resume around the apply),
+        then report: each once."""
         launch = self._launch[id(engine.context)]
-        extra = agreed_freed - self.margin_bytes
-        if extra <= 0:
-            return self._report(engine, launch, False, "the freed memory is less than the "
-                                "margin", freed_here)
-        size = launch.grown_by(engine.context, extra)
-        if not self._all_have_room(engine, launch, size, launch.bytes_of(launch.size)):
-            return self._report(engine, launch, False, "a rank of this replica has no room for "
-                                "it", freed_here, extra)
-        seconds = regrow(engine, lambda: kv_cache.apply(engine, launch, size), self.clock)
+        sized = self._size_mid_rollout(engine, launch, freed_here, agreed_freed)
+        if not sized.grown:
+            return self._report(engine, sized)
+        seconds = regrow(engine, lambda: kv_cache.apply(engine, launch, sized.size), self.clock)
         self._meter.add_regrow(seconds)
         self._grown = True
-        report = self._report(engine, launch, True, "", freed_here, extra,
-                              f"step {self._meter.figures.steps + 1}")
+        report = self._report(engine, sized)
         report.regrow_s = seconds
         return report
+
+    def _size_mid_rollout(self, engine, launch: Launch, freed_here: int,
+                          agreed_freed: int) -> "Sized":
+        extra = agreed_freed - self.margin_bytes
+        if extra <= 0:
+            return Sized(launch, None, "the freed memory is less than the margin", freed_here)
+        size = launch.grown_by(engine.context, extra)
+        if not self._all_have_room(engine, launch, size, launch.bytes_of(launch.size)):
+            return Sized(launch, None, "a rank of this replica has no room for it", freed_here,
+                         extra)
+        return Sized(launch, size, "", freed_here, extra,
+                     f"step {self._meter.figures.steps + 1}", grown=True)
 
     def _regrow_cost(self) -> float:
         """What growing mid-rollout is expected to cost, from agreed figures: the last
@@ -240,22 +251,40 @@ class KvCacheGrowth:
         logger.info("amem_callbacks: KV growth for this rollout: %s (%s)",
                     "grow" if decision.grow else "launch size", decision.why)
 
-    def _report(self, engine, launch: Optional[Launch], grown: bool, why: str,
-                freed: int = 0, extra: int = 0, when: str = "") -> KvCacheReport:
-        context = engine.context
+    def _report(self, engine, sized: "Sized") -> KvCacheReport:
+        """What the context holds now, beside the decision's size and why."""
+        context, launch = engine.context, sized.launch
         allocator = getattr(context, "kv_block_allocator", None)
         blocks = getattr(allocator, "total_count", 0)
         report = KvCacheReport(
-            grown=grown, why=why, blocks=blocks,
+            grown=sized.grown, why=sized.why, blocks=blocks,
             base_blocks=launch.size.blocks if launch else blocks,
             block_bytes=getattr(context, "block_size_bytes", 0),
             block_tokens=getattr(context, "block_size_tokens", 0),
             max_requests=getattr(context, "max_requests", 0),
             launch_max_requests=launch.size.max_requests if launch else getattr(
                 context, "max_requests", 0),
-            freed_bytes=freed, margin_bytes=self.margin_bytes, agreed_extra_bytes=max(0, extra),
-            when=when, fixed_why=(launch.fixed or "") if launch else "")
-        if self._meter is not None and grown:
+            freed_bytes=sized.freed, margin_bytes=self.margin_bytes,
+            agreed_extra_bytes=max(0, sized.extra), when=sized.when,
+            fixed_why=(launch.fixed or "") if launch else "")
+        if self._meter is not None and sized.grown:
             report.after_s = self.clock() - self._meter.started
         self.reports.append(report)
         return report
+
+
+@dataclass(frozen=True)
+class Sized:
+    """A decision's outcome before it is applied: the size to install (None: leave the
+    cache as it is), whether it is the grown one, why not, and the figures reported."""
+
+    launch: Optional[Launch]
+    size: Optional[Size]
+    why: str
+    freed: int = 0
+    extra: int = 0
+    when: str = ""
+    grown: bool = False
+
+    def because(self, why: str, extra: int = 0) -> "Sized":
+        return dataclasses.replace(self, why=why, extra=extra)

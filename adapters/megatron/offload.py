@@ -24,10 +24,8 @@ from .meter import tokens_of
 RESUME_FIRST = ("world",)
 #: The begin is agreed where the rollout starts, but each rank's suspends wait until its
 #: engine's first step with tokens has ended, at most this long: while NCCL pins a
-#: suspend's host backup the process's GPU work stands still (0.7 s/GiB; measured on an
-#: H200: results/one_h200/suspend_stall), and a first step behind 4.5 GiB of suspends took
-#: 2.57 s instead of 0.32 (results/one_h200/rollout_gain_qwen3_dp2/session_B_2026-12-03_unheld;
-#: held: 0.14 s, pair 1 at the top of that folder). The bound is for an
+#: suspend's host backup the process's GPU work stands still, so the engine's first
+#: steps would wait behind the suspends (docs/evidence.md). The bound is for an
 #: engine that never steps (no request reached it): its peers' suspends wait for its own.
 #: Where the last rollout begun at the same seam had suspends that took less than the
 #: time from its begin to the engine's resume, they are not held: they end before the

@@ -1,8 +1,8 @@
 """What ``amem-callbacks bench`` runs (quick or --full) and its progress lines with an ETA.
 
-The full sweep took more than 5 minutes on one H200 with 2 ranks: with NCCL's
-default buffers a 2-rank communicator on one GPU holds ~1.15 GB and one
-suspend of it takes 3-6 s, and the full run does hundreds of them. The quick
+The full sweep takes minutes on one GPU with 2 ranks: with NCCL's default
+buffers a 2-rank communicator on one GPU holds about a GB and one suspend of it
+takes seconds, and the full run does hundreds of them. The quick
 run keeps one figure of each kind on 2 groups and small NCCL buffers, where a
 transition takes ~0.4 s: about a minute on one GPU and on 2 CPU ranks.
 """
@@ -30,7 +30,7 @@ FULL = {"groups": 8, "steps": 4, "rollout_s": 2.0, "train_s": 0.5, "grad_mib": 6
 SMALL_BUFFERS = {"NCCL_BUFFSIZE": str(1 << 20), "NCCL_MAX_NCHANNELS": "4"}
 
 # Rough costs, only for the first ETA (later ones scale by what the finished
-# stages really took), from one H200 with 2 ranks on it: seconds per group and
+# stages really took), from one GPU with 2 ranks on it: seconds per group and
 # transition; per small all-reduce; per MiB all-reduced with small buffers.
 _GROUP_S = {"cpu": 0.01, "small": 0.4, "default": 4.0}
 _SMALL_CALL_S = {True: 4.5e-3, False: 1e-3}

@@ -12,7 +12,7 @@ import tempfile
 import time
 
 from .. import __version__
-from ..options import MAX_WORKERS, number_type
+from ..checks import MAX_WORKERS, number_type
 from ..states import BackendName
 from .bench import MODES, ROLES
 from .bench import main as bench_main

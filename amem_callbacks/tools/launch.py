@@ -2,8 +2,8 @@
 each, and how their rank processes hand each other small figures.
 
 NCCL >= 2.30 runs several ranks of one communicator on one GPU when
-``NCCL_MULTI_RANK_GPU_ENABLE=1`` (measured on one H200: 2 and 8 ranks, every
-suspend, resume and collective exact); 2.29.x refuses it ("Multiple Ranks are
+``NCCL_MULTI_RANK_GPU_ENABLE=1`` (2 and 8 ranks on one card ran every suspend,
+resume and collective exact: docs/evidence.md); 2.29.x refuses it ("Multiple Ranks are
 using the same GPU"). So one GPU can show the real thing, with this caveat:
 memory and time are then shared-GPU figures (every rank's buffers sit on the
 same device, and the ranks' transitions compete for it).

@@ -50,7 +50,7 @@ def timed_cycle(policy, sync, groups: dict, value: float) -> dict:
     """One begin/end; the begin until its suspends finished, the end until its resumes."""
     import torch.distributed as dist
 
-    from amem_callbacks.transitions import group_timeout_s
+    from amem_callbacks.group_book import group_timeout_s
 
     memory_before = host_memory()
     start = time.monotonic()

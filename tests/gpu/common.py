@@ -387,31 +387,8 @@ def unheld_bytes(sync=None) -> tuple:
     return (total - own, "process") if own is not None else (free, "gpu")
 
 
-INSTALL_COMMAND = "python3 -m pip install --no-deps --no-build-isolation -e ."
-
-
-def require_installed_package() -> None:
-    """The GPU scripts run on the installed package, as users do: the top-level
-    adapters/ folder is ``amem_callbacks.adapters`` only through the install
-    (pyproject's package-dir), never through a link or a module splice here. A
-    bare copy of the tree stops with the one command that fixes it (no registry
-    needed: the dependencies are the GPU image's)."""
-    import importlib.util
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    try:
-        found = importlib.util.find_spec("amem_callbacks.adapters") is not None
-    except ImportError:
-        found = False
-    if not found:
-        raise SystemExit("amem_callbacks.adapters does not import: the GPU scripts run on the "
-                         f"installed package. From {root}: {INSTALL_COMMAND}")
-    import amem_callbacks
-
-    where = os.path.dirname(os.path.dirname(os.path.abspath(amem_callbacks.__file__)))
-    if os.path.realpath(where) != os.path.realpath(root):
-        raise SystemExit(f"amem_callbacks is imported from {where}, not from this tree ({root}): "
-                         f"install this one: cd {root} && {INSTALL_COMMAND}")
+# shared with experiments/ (its runs start from the installed package too)
+from experiments.gpu_runs import INSTALL_COMMAND, require_installed_package  # noqa: E402,F401
 
 
 #: the environment that decides what a GPU run measured, kept beside its command

@@ -29,7 +29,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from tests.gpu import megatron_runs as runs  # noqa: E402
+from experiments import gpu_runs as runs  # noqa: E402
 
 DO = ["--use-distributed-optimizer"]
 OGR = ["--overlap-grad-reduce"]

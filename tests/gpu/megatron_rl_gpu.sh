@@ -16,7 +16,7 @@ cd "$(dirname "$0")/../.."
 mkdir -p "$OUT"
 SITE=/tmp/site-megatron
 # The wheels into $SITE and the dataset Makefile: the same set-up as the Python drivers.
-python3 -c "import sys; sys.path.insert(0, '.'); from tests.gpu import megatron_runs as r; r.install_bundle()" \
+python3 -c "import sys; sys.path.insert(0, '.'); from experiments import gpu_runs as r; r.install_bundle()" \
     || exit 1
 export MAKEFLAGS="LIBEXT=$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
 export PYTHONPATH=$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH} NCCL_MULTI_RANK_GPU_ENABLE=1 \

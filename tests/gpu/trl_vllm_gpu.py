@@ -1232,7 +1232,7 @@ def search_runs(state: dict, args, default: float, ballast: float) -> list:
     runs with it, from there on the same grid; then --pairs interleaved pairs of the
     two (``best-base-i`` against ``raised-amem-i``), ABBA. The searches, their
     failures included, stay in the state ("search")."""
-    runs, found = state["runs"], {}
+    found = {}
     for side, amem in (("base", False), ("amem", True)):
         low = default if side == "base" else found["base"]
         search = search_of(state, side, low, args)
@@ -1411,7 +1411,7 @@ def start_run(spec: dict, args, folder: str, env: dict):
     # torchrun starts each rank in a session of its own: a killpg of the run misses them
     # (measured: a failed run's ranks held 78 GiB after it, and the next two runs ran out
     # of memory at their model build), so every process of the run carries a tag
-    from tests.gpu import megatron_runs
+    from experiments import gpu_runs as megatron_runs
 
     tag = f"{spec['name']}-{os.getpid()}-{time.time_ns()}"
     proc = subprocess.Popen(argv, cwd=ROOT, env={**env, megatron_runs.RUN_TAG: tag}, stdout=log,
@@ -1450,7 +1450,7 @@ def wait_run(proc, folder: str, timeout_s: float, grace_s: float = 45) -> tuple:
         pass
     proc.wait()
     if getattr(proc, "run_tag", None):  # the ranks, in sessions of their own
-        from tests.gpu import megatron_runs
+        from experiments import gpu_runs as megatron_runs
 
         megatron_runs.kill_tagged(proc.run_tag)
     return proc.returncode, hung

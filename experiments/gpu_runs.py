@@ -1,6 +1,7 @@
-"""Starting Megatron-LM's RL loop (through ``megatron_rl_gpu.py``) on the GPU
-machine, once per run, bounded, several at a time when asked: what the
-configuration matrix and the rollout-gain pairs share.
+"""Starting GPU runs from the installed package, once per run, bounded, several at
+a time when asked: what the experiments here and the GPU drivers in tests/gpu
+share (Megatron-LM's RL loop through ``tests/gpu/megatron_rl_gpu.py``, started as a
+script; the configuration matrix; the rollout-gain pairs; the TRL + vLLM runs' clean-up).
 
 Set-up (once per machine): the megatron-core 0.19.2 wheel and the RL
 runtime's wheels from the carried ``.gpu/megatron`` bundle
@@ -19,17 +20,42 @@ import sys
 import sysconfig
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUNDLE = os.path.join(ROOT, ".gpu", "megatron")
 SITE = "/tmp/site-megatron"
 WRAPPER = "tests/gpu/megatron_rl_gpu.py"
 AMEM_FLAGS = ["--rl-amem-offload-during-rollout", "--rl-amem-backend", "nccl"]
 
 
+INSTALL_COMMAND = "python3 -m pip install --no-deps --no-build-isolation -e ."
+
+
+def require_installed_package() -> None:
+    """The GPU scripts run on the installed package, as users do: the top-level
+    adapters/ folder is ``amem_callbacks.adapters`` only through the install
+    (pyproject's package-dir), never through a link or a module splice here. A
+    bare copy of the tree stops with the one command that fixes it (no registry
+    needed: the dependencies are the GPU image's)."""
+    import importlib.util
+
+    root = ROOT
+    try:
+        found = importlib.util.find_spec("amem_callbacks.adapters") is not None
+    except ImportError:
+        found = False
+    if not found:
+        raise SystemExit("amem_callbacks.adapters does not import: the GPU scripts run on the "
+                         f"installed package. From {root}: {INSTALL_COMMAND}")
+    import amem_callbacks
+
+    where = os.path.dirname(os.path.dirname(os.path.abspath(amem_callbacks.__file__)))
+    if os.path.realpath(where) != os.path.realpath(root):
+        raise SystemExit(f"amem_callbacks is imported from {where}, not from this tree ({root}): "
+                         f"install this one: cd {root} && {INSTALL_COMMAND}")
+
+
 def install_bundle() -> None:
     """The wheels into SITE, and the dataset Makefile train_rl.py's start-up runs."""
-    from tests.gpu.common import require_installed_package
-
     require_installed_package()
     marker = os.path.join(SITE, ".installed")
     if os.path.exists(marker):
