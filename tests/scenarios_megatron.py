@@ -88,11 +88,18 @@ def init_megatron(args):
     from megatron.core import parallel_state as ps
 
     init()
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=args.get("tp", 1),
-        pipeline_model_parallel_size=args.get("pp", 1),
-        context_parallel_size=args.get("cp", 1),
-        expert_model_parallel_size=args.get("ep", 1))
+    sizes = dict(tensor_model_parallel_size=args.get("tp", 1),
+                 pipeline_model_parallel_size=args.get("pp", 1),
+                 context_parallel_size=args.get("cp", 1),
+                 expert_model_parallel_size=args.get("ep", 1))
+    # --create-all-gather-group: 0.16 makes the group in initialize_model_parallel (a
+    # global), 0.19 in create_all_gather_groups (kept on the model's collection only)
+    own_call = hasattr(ps, "create_all_gather_groups")
+    if args.get("ag") and not own_call:
+        sizes["create_all_gather_group"] = True
+    ps.initialize_model_parallel(**sizes)
+    if args.get("ag") and own_call:
+        ps.create_all_gather_groups()
     return ps
 
 

@@ -147,6 +147,19 @@ def test_parallel_state_groups_are_named_by_role(tp):
         assert entries["dp"]["desc"] == "DATA_PARALLEL_GROUP"
 
 
+def test_the_all_gather_group_is_found_and_suspended_in_either_release():
+    """--create-all-gather-group's twin of dp_cp: a parallel_state global in 0.16, only
+    on the model's ProcessGroupCollection in 0.19 (found by its description there);
+    idle during the rollout either way, as dp_cp is."""
+    for res in results("engine_cycle", ag=True, cycles=1):
+        entries = {e["name"]: e for e in res["entries"]}
+        assert not entries["dp_cp_ag"]["keep"], entries["dp_cp_ag"]
+        assert entries["dp_cp_ag"]["desc"] == "DATA_PARALLEL_GROUP_WITH_CP_AG"
+        during = res["cycles"][0]["during"]
+        assert during["dp_cp_ag"] and during["dp_cp"]
+        assert not any(res["cycles"][0]["after"].values()) and res["cycles"][0]["all_exact"]
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_engine_resume_suspends_idle_groups_and_suspend_restores_them(tp):
     for res in results("engine_cycle", tp=tp, cycles=2):

@@ -38,6 +38,16 @@ ROLES = (
     ("intra_dist_opt", "_INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP"),
 )
 
+#: (role, the ``group_desc`` Megatron creates it with): groups kept outside
+#: ``parallel_state``'s globals, found among the process's groups by their
+#: description. megatron-core 0.19 makes the all-gather twins of the data-parallel
+#: groups (``--create-all-gather-group``) in ``create_all_gather_groups`` and keeps
+#: them only on the model's ProcessGroupCollection; 0.16 kept the first as a global.
+DESCRIBED = (
+    ("dp_cp_ag", "DATA_PARALLEL_GROUP_WITH_CP_AG"),
+    ("expert_dp_ag", "EXPERT_DATA_PARALLEL_GROUP_AG"),
+)
+
 #: Groups inside one model replica, which in-place inference may use: the
 #: engine runs tensor, pipeline and expert collectives on them. Every group
 #: that spans data-parallel replicas (world, dp, dp_cp, tp_dp, expert_dp, the
@@ -47,11 +57,11 @@ KEEP_IN_PLACE = frozenset(
     ("tp", "pp", "mp", "ep", "expert_tp", "tp_ep", "tp_ep_pp", "tp_cp", "embd", "pos_embd"))
 
 #: Names ``--rl-amem-keep-groups`` accepts.
-VALID_KEEP = frozenset(["world"] + [role for role, _ in ROLES])
+VALID_KEEP = frozenset(["world"] + [role for role, _ in ROLES + DESCRIBED])
 
 #: Megatron's ``ProcessGroupCollection`` field names for the same roles.
 ALIASES = {"expt_tp": "expert_tp", "expt_dp": "expert_dp", "intra_expt_dp": "intra_expert_dp",
-           "hcp": "hierarchical_cp"}
+           "hcp": "hierarchical_cp", "expt_dp_ag": "expert_dp_ag"}
 
 IN_PLACE = "in-place"
 SEPARATE = "separate"
@@ -88,6 +98,11 @@ def parallel_state_groups(ps=None) -> list:
     add(c10d._get_default_group(), "world")
     for role, attribute in ROLES:
         for group in flatten_groups(getattr(ps, attribute, None)):
+            add(group, role)
+    described = dict((desc, role) for role, desc in DESCRIBED)
+    for group in list(c10d._world.pg_map.keys()):  # this rank's groups, in creation order
+        role = described.get(getattr(group, "group_desc", None))
+        if role is not None:
             add(group, role)
     return entries
 
