@@ -331,7 +331,6 @@ class OffloadPolicy:
         # rows come back once, to _finish, on the worker
         report.agree_seconds = plan.agree_seconds
         report.groups = [group_row(info, Outcome.KEPT, reason) for info, reason in plan.kept]
-        report.planned = [item.info.name for item in plan.suspend]
         book = self._transitions.book
         before = book.held_ids()
         submitted = None
@@ -401,7 +400,6 @@ class OffloadPolicy:
         report.pending = False
         logger.info("amem_callbacks: %s", report.summary())
         return report
-
 
     def _held_names(self) -> list:
         return [f"{view.name!r} ({view.status}{', resuming' if view.resuming else ''})"
