@@ -6,12 +6,15 @@ against the best a user can run without it: the largest KV share (vLLM's
 are found by the same search on the same grid (``low + k * step``), on the same
 machine: without the package, then with it.
 
-The search bisects the grid, assuming what fits below a setting that fits: it
-tries ``low`` (which must fit), then ``high`` (if it fits, the grid ends there),
-then the middle of the gap between the largest setting that fitted and the
-smallest that failed, until they are neighbours. A run that neither fitted nor
-ran out of memory (cut by a time bound, a crash) says nothing about fitting: it
-is tried again once, then the search stops and says why.
+The search bisects the grid, assuming that every setting below one that fits
+fits too, and every setting above one that failed fails: it runs the middle of
+the settings no run has decided yet, directly or so, until none is left. A grid
+of six settings takes three runs, not the five of trying both ends first (each
+run of the real jobs is minutes of a GPU). The answer is always a setting that
+ran: ``low`` runs only when everything above it failed, and the largest fit
+found has its upper neighbour seen failing, or is the grid's top. A run that
+neither fitted nor ran out of memory (cut by a time bound, a crash) says nothing
+about fitting: it is tried again once, then the search stops and says why.
 """
 
 from __future__ import annotations
@@ -82,20 +85,25 @@ class Search:
                     "monotonically (another tenant, a leak); re-run both")
         return None
 
+    def implied(self, value: float) -> Optional[bool]:
+        """What the runs say of ``value``, its own or by a neighbour: fits where a larger
+        setting fitted, fails where a smaller one failed, else its own outcome."""
+        fit, fail = self.largest_fit, self.smallest_fail
+        if fit is not None and value <= fit:
+            return True
+        if fail is not None and value >= fail:
+            return False
+        return self.outcome(value)
+
     def next(self) -> Optional[float]:
         """The next setting to run, or None when the search is over (or stuck)."""
         if self.stuck():
             return None
-        for value in (self.low, self.high):
-            if self.outcome(value) is None:
-                return value
-        fit, fail = self.largest_fit, self.smallest_fail
-        if fail is None:  # the grid's top fits
+        # the undecided settings lie between the largest fit and the smallest failure
+        open_ = [k for k, value in enumerate(self.grid) if self.implied(value) is None]
+        if not open_:
             return None
-        lo, hi = self.index(fit), self.index(fail)
-        if hi - lo <= 1:
-            return None
-        return self.value((lo + hi) // 2)
+        return self.value((open_[0] + open_[-1]) // 2)
 
     def done(self) -> bool:
         return self.next() is None

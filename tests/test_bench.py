@@ -198,3 +198,46 @@ def test_goals_and_verdicts_appear_on_gpu_runs_only():
     dry = table(_summary(dry_run=True, full=False))
     assert "DRY RUN" in dry and "<=" not in dry and ">=" not in dry and "MISSED" not in dry
     assert "quick run" in table(_summary(dry_run=False, full=False))
+
+
+def test_the_report_names_the_torch_backend_the_ranks_ran_on(bench):
+    _, report = bench
+    assert report["torch_backend"] == "gloo"  # the CPU dry run
+    assert report["torch_backend_class"] is None  # no CUDA group to read a class from
+    import torch
+
+    assert report["torch"] == torch.__version__
+
+
+def test_torch_backend_takes_torch_215s_names_and_refuses_others(capsys):
+    for name in ("nccl", "nccl2", "nccl-lazy", "nccl-legacy"):
+        assert build_parser().parse_args(["bench", "--torch-backend", name]).torch_backend == name
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--torch-backend", "gloo"])
+    assert "nccl-lazy" in capsys.readouterr().err
+
+
+def test_torch_backend_stops_before_any_rank_where_it_cannot_run(monkeypatch):
+    from amem_callbacks.tools import launch
+
+    # a CPU machine: the dry run's groups are gloo whatever the flag says
+    assert "no GPU" in launch.torch_backend_refusal("nccl-lazy", on_gpu=False)
+    assert launch.torch_backend_refusal(None, on_gpu=False) is None
+    # a GPU machine whose torch predates the name (torch < 2.15 has no nccl-lazy)
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_backend_available", lambda name: name == "nccl")
+    refused = launch.torch_backend_refusal("nccl-lazy", on_gpu=True)
+    assert "has no such backend" in refused and "leave it out" in refused
+    assert launch.torch_backend_refusal("nccl", on_gpu=True) is None
+
+
+def test_a_refused_torch_backend_stops_the_cpu_bench_in_one_line():
+    run = subprocess.run(
+        [sys.executable, "-m", "amem_callbacks.tools.cli", "bench", "--torch-backend",
+         "nccl-lazy"], capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert run.returncode == 1
+    assert run.stderr.strip().splitlines() == [
+        "amem-callbacks bench: --torch-backend nccl-lazy builds NCCL groups and this machine "
+        "has no GPU: leave it out for the CPU dry run (gloo)"]

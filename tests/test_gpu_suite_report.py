@@ -71,3 +71,17 @@ def test_the_installed_package_passes(tmp_path):
     from tests.gpu.common import require_installed_package
 
     require_installed_package()  # CI installs the package: this must not stop
+
+
+def test_a_gpu_script_builds_its_groups_on_the_torch_backend_it_is_told(monkeypatch):
+    # torch 2.15's names: run_all's env records AMEM_GPU_PG_BACKEND beside the results
+    from tests.gpu import common
+
+    monkeypatch.setattr(common, "ON_CPU", False)
+    monkeypatch.delenv(common.PG_BACKEND_ENV, raising=False)
+    assert common.process_group_backend("nccl") == "nccl"
+    monkeypatch.setenv(common.PG_BACKEND_ENV, "nccl-lazy")
+    assert common.process_group_backend("nccl") == "nccl-lazy"
+    assert common.process_group_backend("gloo") == "gloo"  # only "nccl" is swapped
+    monkeypatch.setattr(common, "ON_CPU", True)
+    assert common.process_group_backend("nccl") == "gloo"

@@ -1164,14 +1164,14 @@ def test_the_search_finds_the_largest_buffer_that_runs_without_the_package(
     argv = ["search", str(tmp_path), "--preset", "qwen3_1_7b", "--buffer-gb", "14",
             "--search-step", "0.5", "--search-high", "18"]
     assert rollout_gain.main(argv) == 0
-    assert [r.name for r in FakeRun.started] == [
-        "search_without_14", "search_without_18", "search_without_16", "search_without_17",
-        "search_without_16.5"]
+    assert [r.name for r in FakeRun.started] == [  # the grid's middle first, then bisected
+        "search_without_16", "search_without_17", "search_without_16.5"]
     result = json.load(open(tmp_path / "search.json"))
     assert (result["largest_fit"], result["smallest_fail"], result["best_buffer_gb"]) == (
         16.0, 16.5, 16.0)
-    assert result["trials"]["18.0"] == [False] and result["runs"]["16.5"] == [
+    assert result["trials"]["17.0"] == [False] and result["runs"]["16.5"] == [
         "search_without_16.5"]
+    assert "18.0" not in result["trials"]  # implied by 17's failure, never run
     settings, _, train_rl = parse_command(FakeRun.started[0].argv)
     assert settings is None  # every search run is without the package
     FakeRun.started.clear()

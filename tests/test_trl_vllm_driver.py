@@ -252,10 +252,10 @@ def test_the_search_finds_the_largest_share_without_then_with_then_pairs_them():
     oom = {"oom": {"kind": "cuMem out of memory (sleep-mode wake-up)", "line": "out of memory"}}
     args = plan_args(share=0.027, ballast_gib=29.476, search_step=0.0039, search_high=0.0465)
     state = {"runs": {}}
-    # without the package: 0.027 fits, 0.0465 fails, 0.0348 fits; 0.0387 is cut once,
-    # then fails. With it, from 0.0348 on the same grid: up to 0.0426 fits.
-    without = {0.027: [True], 0.0465: [False], 0.0348: [True], 0.0387: [None, False]}
-    with_ = {0.0348: [True], 0.0465: [False], 0.0387: [True], 0.0426: [True]}
+    # without the package, the grid's middle first: 0.0348 fits, 0.0426 fails, 0.0387 is
+    # cut once, then fails. With it, from 0.0348 on the same grid: up to 0.0426 fits.
+    without = {0.0348: [True], 0.0426: [False], 0.0387: [None, False]}
+    with_ = {0.0387: [True], 0.0426: [True], 0.0465: [False]}
     order = []
     while True:
         todo = drv.plan_runs(state, args)
@@ -269,10 +269,9 @@ def test_the_search_finds_the_largest_share_without_then_with_then_pairs_them():
         state["runs"][run["name"]] = dict(run, ok=fits is True,
                                           failed=None if fits else (oom if fits is False else
                                                                     {"oom": None}))
-    assert order == ["search-base-0.027", "search-base-0.0465", "search-base-0.0348",
-                     "search-base-0.0387", "search-base-0.0387-1",
-                     "search-amem-0.0348", "search-amem-0.0465", "search-amem-0.0387",
-                     "search-amem-0.0426"]
+    assert order == ["search-base-0.0348", "search-base-0.0426", "search-base-0.0387",
+                     "search-base-0.0387-1",
+                     "search-amem-0.0387", "search-amem-0.0426", "search-amem-0.0465"]
     assert state["search"]["base"]["largest_fit"] == 0.0348
     assert state["search"]["base"]["smallest_fail"] == 0.0387
     assert state["search"]["amem"]["largest_fit"] == 0.0426

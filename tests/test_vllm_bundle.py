@@ -364,3 +364,41 @@ def test_pack_keeps_what_it_packed_from_the_same_bytes_and_drops_orphans(tmp_pat
                                           vb.PACKED_FROM]
     manifest = vb.split(packed, str(tmp_path / "out"), 10_000)  # the record does not travel
     assert [f["file"] for f in manifest["files"]] == ["amemkeepone-1.0-py3-none-any" + vb.PACKED]
+
+
+def test_another_bundle_splits_without_vllms_pins_and_gets_its_own_site(tmp_path, capsys):
+    # tests/gpu/bundle_torch.sh: the same parts and install, for torch 2.15's wheels
+    src = str(tmp_path / "src")
+    os.makedirs(src)
+    fake_wheel(src, "amemfaketorch", "2.15")
+    assert vb.main(["split", src, str(tmp_path / "out"), "--part-bytes", "400", "--no-pins"]) == 0
+    assert "pins" not in json.load(open(tmp_path / "out" / vb.MANIFEST))
+    capsys.readouterr()
+    assert vb.main(["env", "--site", "/tmp/site-torch2150"]) == 0
+    assert f"export PYTHONPATH=/tmp/site-torch2150{os.pathsep}{vb.ROOT}" in capsys.readouterr().out
+
+
+def test_a_slimmed_wheel_keeps_only_the_named_members_and_installs(tmp_path):
+    from tests.gpu import slim_wheel
+
+    src = str(tmp_path / "src")
+    os.makedirs(src)
+    wheel = fake_wheel(src, "amemslim", "3.7")
+    with zipfile.ZipFile(wheel, "a") as z:  # the library torch loads, and what it never does
+        z.writestr("amemslim/lib/libhost.so.3", b"\x7fELF host")
+        z.writestr("amemslim/include/big.h", b"x" * 10_000)
+    dest = str(tmp_path / "slim" / "amemslim-3.7-py3-none-any.whl")
+    os.makedirs(os.path.dirname(dest))
+    kept = slim_wheel.slim(wheel, dest, ["amemslim/lib/*.so*"])
+    assert "amemslim/lib/libhost.so.3" in kept and "amemslim/include/big.h" not in kept
+    with zipfile.ZipFile(dest) as z:
+        record = z.read(next(n for n in z.namelist() if n.endswith("RECORD"))).decode()
+    assert "amemslim/lib/libhost.so.3,sha256=" in record and "big.h" not in record
+    site = str(tmp_path / "site")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                    "--target", site, dest], check=True)
+    assert open(os.path.join(site, "amemslim", "lib", "libhost.so.3"), "rb").read() == \
+        b"\x7fELF host"
+    assert not os.path.exists(os.path.join(site, "amemslim", "include"))
+    with pytest.raises(SystemExit, match="nothing matches"):
+        slim_wheel.slim(wheel, dest, ["nowhere/*"])

@@ -47,7 +47,7 @@ import tempfile
 
 from .bench_report import summarise, write_outputs
 from .bench_stages import ROLES, buffer_env  # noqa: F401 (ROLES: the CLI reads it here)
-from .launch import backend_refusal, plan_ranks, quiet_missing_numpy
+from .launch import backend_refusal, plan_ranks, quiet_missing_numpy, torch_backend_refusal
 
 MODES = ("none", "naive", "overlap", "recreate", "touch", "touch-nolearn")
 DEFAULT_MODES = ("none", "naive", "overlap", "recreate")
@@ -66,7 +66,8 @@ def main(args) -> int:
         return 1
     use_cuda = layout.on_gpu
     # nccl is the GPU default: a bench measures one backend, so it must work here
-    refused = backend_refusal(args.backend or ("nccl" if use_cuda else "noop"), use_cuda)
+    refused = (backend_refusal(args.backend or ("nccl" if use_cuda else "noop"), use_cuda)
+               or torch_backend_refusal(args.torch_backend, use_cuda))
     if refused:
         print(f"amem-callbacks bench: {refused}", file=sys.stderr)
         return 1

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .. import guard, host_backup
+from ..backends.torch_comms import torch_backend_of
 from ..groups import name_group
 from ..options import DEFAULT_WORKERS
 from ..policy import OffloadPolicy
@@ -315,7 +316,8 @@ def run_rank(args, rank: int, world: int, use_cuda: bool) -> dict:
     host_backup.install()  # before the first communicator, as the adapters do
     if use_cuda:
         torch.cuda.set_device(local_device(int(os.environ.get("LOCAL_RANK", rank))))
-    dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world)
+    torch_backend = (args.torch_backend or "nccl") if use_cuda else "gloo"
+    dist.init_process_group(torch_backend, rank=rank, world_size=world)
     loop = Loop(args, rank, world, use_cuda)
     loop.shared_gpu = use_cuda and world > torch.cuda.device_count()
     backend = args.backend or ("nccl" if use_cuda else "noop")
@@ -367,9 +369,18 @@ def run_rank(args, rank: int, world: int, use_cuda: bool) -> dict:
     dist.barrier(group=loop.sync)
     result["timeline"] = sampler.stop()
     result["backend"] = backend
+    result["torch_backend"] = torch_backend
+    result["torch_backend_class"] = _class_of(dist.group.WORLD) if use_cuda else None
     dist.barrier(group=loop.sync)
     dist.destroy_process_group()
     return result
+
+
+def _class_of(group):
+    """The class torch made for ``group`` on this GPU (ProcessGroupNCCL, ProcessGroupNCCL2,
+    ...): on torch 2.15 one backend name may mean either, so the figures say which ran."""
+    found, _why = torch_backend_of(group, torch.cuda.current_device())
+    return type(found).__name__ if found is not None else None
 
 
 def _best_workers(sweep) -> int:

@@ -83,6 +83,12 @@ def _backup_figures(stage) -> dict:
             "P6_over_copy": summary["on_over_copy"], "P6_gain": summary["off_over_on"]}
 
 
+def _torch_version():
+    import torch  # already imported: the ranks ran on it
+
+    return torch.__version__
+
+
 def summarise(raw: dict, args, world: int, dry_run: bool) -> dict:
     modes = raw["modes"]
     pairs = _pair_ratios(raw.get("pairs"))
@@ -126,6 +132,8 @@ def summarise(raw: dict, args, world: int, dry_run: bool) -> dict:
     return {
         "command": "amem-callbacks bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 1 else "",
         "dry_run": dry_run, "world": world, "backend": raw["backend"],
+        "torch_backend": raw.get("torch_backend"), "torch_backend_class": raw.get(
+            "torch_backend_class"), "torch": _torch_version(),
         "config": {"full": bool(getattr(args, "full", False)), "groups": args.groups,
                    "steps": args.steps, "rollout_s": args.rollout_s, "train_s": args.train_s,
                    "grad_mib": args.grad_mib, "guard_calls": args.guard_calls,

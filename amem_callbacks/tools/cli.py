@@ -17,6 +17,7 @@ from ..states import BackendName
 from .bench import MODES, ROLES
 from .bench import main as bench_main
 from .bench_stages import FULL, QUICK, resolve
+from .launch import TORCH_NCCL_BACKENDS
 from .demo import main as demo_main
 from .doctor import main as doctor_main
 
@@ -123,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--backend", choices=BackendName.concrete(), default=None,
                        help="default: nccl on GPUs, noop on CPU (a dry run); a backend that "
                             "cannot work here stops the bench at once, saying why")
+    bench.add_argument("--torch-backend", choices=TORCH_NCCL_BACKENDS, default=None,
+                       help="the torch.distributed backend of the bench's NCCL groups (default "
+                            "'nccl', which torch 2.15 makes ProcessGroupNCCL2; nccl-lazy and "
+                            "nccl-legacy need torch >= 2.15); the figures name the class it made")
     bench.add_argument("--out", metavar="DIR", default=None,
                        help="folder for bench.json and, on GPUs with matplotlib installed, the "
                             "memory plot bench_memory.png (the run says which it wrote; default: "

@@ -154,6 +154,29 @@ def plan_ranks(requested: Optional[int] = None) -> Layout:
     return Layout(ranks=ranks, gpus=gpus, env=dict(MULTI_RANK_ENV))
 
 
+#: torch.distributed backends a tool may build its NCCL groups with: torch 2.15 made
+#: "nccl" mean ProcessGroupNCCL2 and added the other names (older torch: "nccl" only)
+TORCH_NCCL_BACKENDS = ("nccl", "nccl2", "nccl-lazy", "nccl-legacy")
+
+
+def torch_backend_refusal(name: Optional[str], on_gpu: bool) -> Optional[str]:
+    """Why ``--torch-backend name`` cannot run here, in one line, or None."""
+    if name is None:
+        return None
+    if not on_gpu:
+        return (f"--torch-backend {name} builds NCCL groups and this machine has no GPU: "
+                "leave it out for the CPU dry run (gloo)")
+    import torch.distributed as dist
+
+    if not dist.is_backend_available(name):
+        import torch
+
+        return (f"--torch-backend {name}: torch {torch.__version__} has no such backend "
+                "(nccl2, nccl-lazy and nccl-legacy came with torch 2.15): leave it out for "
+                "'nccl'")
+    return None
+
+
 def backend_refusal(name: Optional[str], on_gpu: bool) -> Optional[str]:
     """Why a backend the tool was asked for by name cannot work here, in one
     line, or None. The library degrades to running unchanged (fail safe); a tool

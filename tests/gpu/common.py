@@ -84,9 +84,19 @@ def _install_cuda_stand_in(torch) -> None:
     cuda.reset_peak_memory_stats = lambda device=None: None
 
 
+#: the torch.distributed backend a GPU script builds its NCCL groups with, when not
+#: "nccl": torch 2.15's nccl-lazy, nccl-legacy or nccl2 (tests/gpu/run_all.py records it)
+PG_BACKEND_ENV = "AMEM_GPU_PG_BACKEND"
+
+
 def process_group_backend(gpu: str = "nccl") -> str:
-    """The default group's backend: ``gpu`` on a GPU, gloo on CPU."""
-    return "gloo" if ON_CPU else gpu
+    """The default group's backend: ``gpu`` on a GPU (or what AMEM_GPU_PG_BACKEND names
+    in place of "nccl"), gloo on CPU."""
+    if ON_CPU:
+        return "gloo"
+    if gpu == "nccl":
+        return os.environ.get(PG_BACKEND_ENV) or gpu
+    return gpu
 
 
 def tensor_device() -> str:

@@ -203,7 +203,8 @@ def main(argv=None) -> int:
                "ranks": layout.ranks, "ranks_per_gpu": layout.ranks_per_gpu,
                "env": {k: env.get(k) for k in ("LD_PRELOAD", "NCCL_MULTI_RANK_GPU_ENABLE",
                                                "NCCL_BUFFSIZE", "NCCL_MAX_NCHANNELS",
-                                               "AMEM_GPU_QUICK", "TORCH_DIST_USE_NCCL2")},
+                                               "AMEM_GPU_QUICK", "TORCH_DIST_USE_NCCL2",
+                                               "AMEM_GPU_PG_BACKEND")},
                "suites": {}}
     for name in chosen:
         command, needs, result = table[name]

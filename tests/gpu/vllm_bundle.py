@@ -777,6 +777,9 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("src")
     p.add_argument("dest")
     p.add_argument("--part-bytes", type=int, help="default: what a call carries beside the tree")
+    p.add_argument("--pins", action=argparse.BooleanOptionalAction, default=True,
+                   help="name vLLM's carried pins in the manifest (--no-pins: another bundle, "
+                        "e.g. tests/gpu/bundle_torch.sh's)")
     p = sub.add_parser("receive", help="device: take one carried part folder")
     p.add_argument("part_dir")
     p.add_argument("--store", default=STORE)
@@ -788,7 +791,8 @@ def main(argv: Optional[list] = None) -> int:
                    help="the wheels only, not this repository (editable) into this Python")
     p = sub.add_parser("check", help="device: import the colocate path in the bundle's env")
     p.add_argument("--site", default=SITE)
-    sub.add_parser("env", help="export lines for a shell (eval \"$(... env)\")")
+    p = sub.add_parser("env", help="export lines for a shell (eval \"$(... env)\")")
+    p.add_argument("--site", default=SITE)
     args = parser.parse_args(argv)
 
     if args.command == "pins":
@@ -810,7 +814,8 @@ def main(argv: Optional[list] = None) -> int:
     elif args.command == "split":
         tree = tree_bytes()
         size = args.part_bytes or part_bytes_for(tree)
-        manifest = split(args.src, args.dest, size, notes={"pins": pins(), "tree_bytes": tree})
+        notes = {"pins": pins()} if args.pins else {}
+        manifest = split(args.src, args.dest, size, notes={**notes, "tree_bytes": tree})
         for row in manifest["files"]:
             print(f"{row['size'] / 1e6:9.1f} MB  {row['file']}  parts {row['parts']}")
         print(f"{len(manifest['parts'])} parts of at most {size / 1e6:.1f} MB "
@@ -829,7 +834,7 @@ def main(argv: Optional[list] = None) -> int:
         print(json.dumps(result, indent=1))
         return 0 if result["ok"] else 1
     elif args.command == "env":
-        env = environment()
+        env = environment(site=args.site)
         for key in ENV_KEYS:
             if env.get(key):
                 print(f"export {key}={shlex.quote(env[key])}")
