@@ -75,3 +75,21 @@ def test_a_folder_without_results_fails_rather_than_passing_empty(tmp_path):
 def test_the_gpu_script_parses():
     subprocess.run(["bash", "-n", "tests/gpu/torch_backends_gpu.sh"], cwd=ROOT, check=True)
     subprocess.run(["bash", "-n", "tests/gpu/bundle_torch.sh"], cwd=ROOT, check=True)
+
+
+def test_the_gpu_script_runs_every_backend_this_torch_has_and_fails_here_without_a_gpu(
+        tmp_path):
+    # CPU: each step refuses (no CUDA), and the script still reaches its summary, which
+    # names every backend as failed: what a GPU host without a usable NCCL would see
+    import torch.distributed as dist
+
+    run = subprocess.run(["bash", "tests/gpu/torch_backends_gpu.sh", str(tmp_path), "2"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=280,
+                         env=dict(os.environ, SKIP_FULL="1", CUDA_VISIBLE_DEVICES=""))
+    expected = ["nccl", "nccl-legacy"] + (["nccl-lazy"] if dist.is_backend_available(
+        "nccl-lazy") else [])
+    assert sorted(os.listdir(tmp_path)) == sorted(expected + ["backends.json", "backends.txt"])
+    assert "rc 127" not in run.stdout  # every command line was well formed
+    saved = json.load(open(tmp_path / "backends.json"))
+    assert not saved["ok"] and all("run_all: no summary.json" in row["failed"]
+                                   for row in saved["backends"].values())

@@ -28,7 +28,7 @@ for b in $backends; do
     case $b in
         nccl) env_b=(env -u TORCH_DIST_USE_NCCL2 -u AMEM_GPU_PG_BACKEND); name=nccl ;;
         nccl-lazy) env_b=(env -u TORCH_DIST_USE_NCCL2 AMEM_GPU_PG_BACKEND=nccl-lazy); name=nccl-lazy ;;
-        nccl-legacy) env_b=(env TORCH_DIST_USE_NCCL2=0 -u AMEM_GPU_PG_BACKEND); name=nccl ;;
+        nccl-legacy) env_b=(env -u AMEM_GPU_PG_BACKEND TORCH_DIST_USE_NCCL2=0); name=nccl ;;
     esac
     echo "== $b: run_all doctor,core"
     "${env_b[@]}" timeout 300 python3 -m tests.gpu.run_all --out "$dir" --ranks "$RANKS" \
@@ -43,11 +43,12 @@ for b in $backends; do
     echo "   rc $?"; grep -E "^P[0-9]|^ *(none|naive|overlap) " "$dir/bench.log" || tail -5 "$dir/bench.log"
     if [[ $b == nccl && -z "${SKIP_FULL:-}" ]]; then
         # NCCL's default buffers: transitions long enough for the caller-thread figure
-        # (P5) to count many slices, and the host backup kept against re-pinned (P6)
+        # (P5) to count many slices (BACKUP_CYCLES=N adds P6, the backup kept vs re-pinned)
         echo "== $b: bench at NCCL's default buffers"
         "${env_b[@]}" timeout 420 python3 -m amem_callbacks.tools.cli bench --ranks "$RANKS" \
-            --full --groups 4 --steps 3 --modes none,naive,overlap --sweep "" --pairs 0 \
-            --guard-calls 2400 --backup-cycles 3 --out "$dir/bench_full" > "$dir/bench_full.log" 2>&1
+            --full --groups 4 --steps 2 --modes none,naive,overlap --sweep "" --pairs 0 \
+            --guard-calls 1200 --backup-cycles "${BACKUP_CYCLES:-0}" --out "$dir/bench_full" \
+            > "$dir/bench_full.log" 2>&1
         echo "   rc $?"; grep -E "^P[0-9]" "$dir/bench_full.log" || tail -5 "$dir/bench_full.log"
     fi
 done
