@@ -206,6 +206,32 @@ def test_the_doctor_says_when_nccl_would_re_pin_its_backup(monkeypatch, kept):
         assert "has not taken it" in said[0]
 
 
+def test_the_doctor_says_when_the_hook_is_in_place_but_reused_nothing(monkeypatch):
+    # a probe whose second suspend pinned afresh: the hook saw NCCL's allocations but
+    # handed none back (what the probe itself measured on torch 2.15 before its bound
+    # came first)
+    from amem_callbacks.tools import doctor
+
+    line = json.dumps({"ok": True, "path": "ctypes",
+                       "host_backup": {"kept": True, "why_not": "", "reused": 0}})
+    monkeypatch.setattr(doctor.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
+        a, 0, stdout=line + "\n", stderr=""))
+    diagnosis = doctor.Diagnosis()
+    doctor._probe(diagnosis)
+    said = [p.what for p in diagnosis.problems if "host-backup hook" in p.what]
+    assert len(said) == 1 and "pinned new memory" in said[0]
+
+
+def test_the_probe_bounds_the_backup_before_its_first_suspend():
+    # the order is the point: a bound set after the first resume keeps nothing to reuse
+    import inspect
+
+    from amem_callbacks.tools import probe
+
+    source = inspect.getsource(probe.probe)
+    assert source.index("host_backup.bound(") < source.index("backend.suspend(handle)")
+
+
 def test_each_adapter_installs_the_hook_where_it_comes_before_the_communicators(monkeypatch):
     """The TRL callback's constructor, Megatron's add_args (the flag read from the command
     line: it runs before Megatron parses) and verl's init_model wrapper install it; with

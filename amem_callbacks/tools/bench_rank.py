@@ -27,7 +27,7 @@ from .bench_backup import backup_cycles
 from .bench_stages import ROLES, Stages, plan
 from .launch import free_port, gather_ints, local_device
 from .pairs import interleaved
-from .progress import progress_during
+from .progress import transition_progress
 
 
 class MemorySampler:
@@ -288,20 +288,11 @@ def _guard_overhead(loop: Loop, backend: str, n: int, pairs: int = 24) -> dict:
 
 def _caller_progress(loop: Loop, backend: str, workers: int) -> dict:
     """P5: how fast this thread runs Python while an overlapped transition is in
-    flight, against its rate just before (see tools/progress.py)."""
+    flight, against its rate just before (see tools/progress.py): the median of
+    three cycles."""
     policy = OffloadPolicy(backend=backend, keep=["tp"], overlap=True, workers=workers,
                            groups=loop.all_groups())
-    out = {}
-    for kind in ("begin", "end"):
-        loop.dist.barrier(group=loop.sync)
-        measured = progress_during(
-            lambda: policy.begin("rollout") if kind == "begin" else policy.end("rollout"),
-            lambda report: report.pending)
-        report = measured.pop("handle")
-        policy.wait()
-        out[kind] = {**measured, "transition_s": report.wall_seconds, "gil_held": report.gil_held,
-                     "paths": sorted({g.path for g in report.groups if g.path})}
-    return out
+    return transition_progress(policy, lambda: loop.dist.barrier(group=loop.sync))
 
 
 def _learned(metrics: dict, phase: str) -> dict:

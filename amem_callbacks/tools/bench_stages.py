@@ -13,6 +13,8 @@ import os
 import sys
 import time
 
+from .progress import REPEATS
+
 # The bench's groups, Megatron-like roles, as many as --groups asks (cli caps it here).
 ROLES = ("world", "dp", "dp_cp", "cp", "expert_dp", "intra_dp_cp", "embd", "pos_embd",
          "inter_dist_opt", "tp_dp", "ep", "pp")
@@ -74,7 +76,7 @@ def plan(args, on_gpu: bool, workers: int) -> list:
                        args.pairs * args.steps * (2 * step + per_mode["overlap"])
                        + args.steps * step))  # and the control
     stages += [("guard overhead (P3)", 2 * batch + calls * _SMALL_CALL_S[on_gpu]),
-               ("caller-thread progress (P5)", 1.0 + 2 * batch / max(1, workers))]
+               ("caller-thread progress (P5)", REPEATS * (1.0 + 2 * batch / max(1, workers)))]
     if on_gpu and args.backup_cycles:  # re-pinned blocks cost NCCL's rate, kept ones ~1/5
         stages.append(("host backup cycles (P6)",
                        2 * (args.backup_cycles + 1) * 2 * batch * (1 + 0.2)))

@@ -234,6 +234,13 @@ def _probe(d: Diagnosis) -> None:
             "build the package's hook (a C compiler at install: pip install -e . with gcc) and "
             "import the adapter before the first NCCL communicator; AMEM_HOST_BACKUP=0 is the "
             "one way to want this"))
+    elif result.get("ok") and not backup.get("reused"):
+        d.problems.append(Problem(
+            "the host-backup hook is in place but NCCL's second suspend in the probe pinned "
+            "new memory instead of reusing the first one's: every suspend here pays the "
+            "pinning (the slow part of a transition)",
+            "report it with `amem-callbacks doctor --json` (an NCCL whose host allocations "
+            "the hook does not recognise); AMEM_HOST_BACKUP=0 turns the hook off"))
     if result.get("path") == "torch-native":
         d.problems.append(Problem(
             f"torch's 'nccl' makes {result.get('class')} here, which gives no communicator "

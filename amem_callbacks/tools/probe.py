@@ -44,13 +44,16 @@ def probe(backend_name: str = "nccl") -> dict:
             return out
         out.update(path=handle.path.value, why=handle.why)
         before = backend.memory(handle)
+        # the bound first, as the policy sets it at a begin: a resume keeps only what fits
+        # it (set after the first cycle, the probe's run on torch 2.15 kept nothing: the
+        # first resume had already unpinned every block, and reused read 0)
+        host_backup.bound(before.suspendable)
         torch.cuda.synchronize()
         free0 = torch.cuda.mem_get_info()[0]
         backend.suspend(handle)
         free1 = torch.cuda.mem_get_info()[0]
         out["suspended_per_nccl"] = backend.memory(handle).suspended
         backend.resume(handle)
-        host_backup.bound(before.suspendable)
         backend.suspend(handle)  # a second cycle: the backup comes from the first one's
         backend.resume(handle)
         out["host_backup"] = {"kept": host_backup.active(), "why_not": host_backup.why_inactive(),

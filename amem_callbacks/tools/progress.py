@@ -46,3 +46,36 @@ def progress_during(start: Callable, running: Callable[[object], bool],
 def _slices_for(seconds: float) -> list:
     deadline = time.perf_counter() + seconds
     return rate_slices(lambda: time.perf_counter() > deadline)
+
+
+#: transitions measured a side: a shared GPU is noisy, and a quick bench's transition
+#: lasts 4-6 slices (one reading of 4 went 0.64 where its neighbours read 0.92-1.06)
+REPEATS = 3
+
+
+def transition_progress(policy, barrier: Callable[[], None], repeats: int = REPEATS,
+                        phase: str = "rollout") -> dict:
+    """The caller's progress during ``repeats`` overlapped begin/end cycles of ``policy``
+    (``barrier()`` lines the ranks up before each): per kind, every run and their
+    median ("ratio"). The first begin is listed too: it may pin NCCL's host backup
+    afresh, which the later ones, with the backup kept, do not."""
+    rows: dict = {"begin": [], "end": []}
+    for _repeat in range(repeats):
+        for kind in ("begin", "end"):
+            barrier()
+            measured = progress_during(
+                lambda: policy.begin(phase) if kind == "begin" else policy.end(phase),
+                lambda report: report.pending)
+            report = measured.pop("handle")
+            policy.wait()
+            rows[kind].append({**measured, "transition_s": report.wall_seconds,
+                               "gil_held": report.gil_held,
+                               "paths": sorted({g.path for g in report.groups if g.path})})
+    out = {}
+    for kind, runs in rows.items():
+        ratios = [r["ratio"] for r in runs if r["ratio"] is not None]
+        out[kind] = {"ratio": statistics.median(ratios) if ratios else None,
+                     "first_ratio": runs[0]["ratio"], "runs": runs,
+                     "gil_held": any(r["gil_held"] for r in runs),
+                     "paths": sorted({p for r in runs for p in r["paths"]})}
+    return out

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from amem_callbacks import OffloadPolicy, name_group
 from amem_callbacks.memory import host_rss_bytes
-from amem_callbacks.tools.progress import progress_during
+from amem_callbacks.tools.progress import transition_progress
 from tests.gpu.common import bind_device, cpu_notes, exact_allreduce, gloo_group, \
     nccl_library, policy_backend, process_group_backend, provenance, ranks_per_gpu, \
     same_gpu_total, set_aside_on_cpu, unheld_bytes
@@ -90,21 +90,7 @@ def main() -> None:
     # begin and end wait in NCCL (torch's own suspend() would stop it).
     overlapped = OffloadPolicy(backend=policy_backend("nccl"), keep=["tp"], overlap=True,
                                agree_timeout_s=60)
-    progress = {"begin": [], "end": []}
-    for _repeat in range(3):  # a shared GPU is noisy: the median of three
-        for kind in ("begin", "end"):
-            dist.barrier(group=sync)
-            measured = progress_during(
-                lambda: overlapped.begin("rollout") if kind == "begin"
-                else overlapped.end("rollout"),
-                lambda report: report.pending)
-            report = measured.pop("handle")
-            overlapped.wait()
-            progress[kind].append({**measured, "transition_s": report.wall_seconds,
-                                   "gil_held": report.gil_held})
-    for kind, rows in progress.items():
-        ratios = sorted(r["ratio"] for r in rows if r["ratio"] is not None)
-        progress[kind] = {"ratio": ratios[len(ratios) // 2] if ratios else None, "runs": rows}
+    progress = transition_progress(overlapped, lambda: dist.barrier(group=sync))
     result["caller_progress"] = progress
     # Held or released, not how fast: a call that holds the GIL leaves the caller
     # 0.03-0.07 of its rate (torch's suspend(), measured); released, alone on the
