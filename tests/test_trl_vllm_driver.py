@@ -983,3 +983,26 @@ def test_recompute_gives_the_whole_run_pairs_of_the_committed_kv_series():
     assert {p["against"] for p in got["pairs"]["raised_headroom_2"]["pairs"]} == {
         "the default share (not the best without)"}
     assert json.load(open(os.path.join(source, "whole_run.json")))["pairs"] == got["pairs"]
+
+
+def test_the_h200_search_record_replays_to_its_shares_and_the_readmes_figures():
+    """results/one_h200/trl_vllm_best_without: today's search, replayed from the recorded
+    runs, finds the shares the record names and plans the pairs next; the README's
+    one-run figures are these runs' own (every step, every generation)."""
+    folder = os.path.join(ROOT, "results", "one_h200", "trl_vllm_best_without")
+    state = json.load(open(os.path.join(folder, "state.json")))
+    runs = state["runs"]
+    assert {r["commit"] for r in runs.values()} == {"8ca689742117e2ffe45f80af0cc45cf94f58b3c9"}
+    assert {r["machine"]["card"] for r in runs.values()} == {"NVIDIA H200"}
+    replay = {"runs": runs}
+    args = plan_args(share=0.015292, ballast_gib=59.787, search_step=0.002209,
+                     search_high=0.026337, pairs=3)
+    todo = drv.plan_runs(replay, args)
+    assert replay["shares"]["best"] == 0.01971 and replay["shares"]["raised"] == 0.026337
+    assert [r["name"] for r in todo][:2] == ["raised-amem-0", "best-base-0"]
+    best, raised = runs["search-base-0.01971"], runs["search-amem-0.026337"]
+    assert not runs["search-base-0.021919"]["ok"] and runs["search-base-0.021919"]["failed"]["oom"]
+    ratio = lambda key: raised[key] / best[key]  # noqa: E731
+    assert round(ratio("whole_run_mean_step_s"), 3) == 0.951
+    assert round(ratio("whole_run_tokens_per_s"), 2) == 1.23
+    assert round(ratio("kv_cache_tokens"), 2) == 1.58
