@@ -228,3 +228,13 @@ def load_records(prefix: str) -> dict:
             data = json.load(f)
         out[data.get("rank", len(out))] = data
     return out
+
+
+def load_json(path: str):
+    """A record's JSON, or None where it is missing or cut short (a run killed mid-write):
+    the summaries name such a record as missing rather than stop on it."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None

@@ -211,7 +211,7 @@ def _short_of_room(step: dict) -> bool:
 def figures(prefix: str) -> dict:
     """What one run measured (rank 0's view, GPU-wide where the GPU is shared)."""
     records = runs.load_records(prefix)
-    outcome = _load(prefix + ".outcome.json") or {}
+    outcome = runs.load_json(prefix + ".outcome.json") or {}
     out = {"rc": outcome.get("rc"), "seconds": outcome.get("seconds"),
            "complete": outcome.get("rc") == 0 and len(records) > 0,
            "oom": "out of memory" in (outcome.get("tail") or "").lower()
@@ -412,14 +412,6 @@ def _mean(values):
 def _median(values):
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
-
-
-def _load(path: str):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
 
 
 # --- the sub-commands ---------------------------------------------------------
@@ -725,7 +717,7 @@ def _curve_verdict(result: dict) -> str:
 def merge(args) -> int:
     out = args.out
     sides = _sides_in(out)
-    commits = {os.path.basename(path)[:-len(".json")]: (_load(path) or {}).get("commit")
+    commits = {os.path.basename(path)[:-len(".json")]: (runs.load_json(path) or {}).get("commit")
                for path in glob.glob(os.path.join(out, "*.rank*.json"))}
     try:
         commit = one_commit(commits, args.mixed_commits_why)
@@ -742,7 +734,7 @@ def merge(args) -> int:
     result = Interleaved(sides=sides, pairs=pairs)
     control = figures(os.path.join(out, "control")) if os.path.exists(
         os.path.join(out, "control.outcome.json")) else None
-    commands = sorted({(_load(p) or {}).get("command", "") for p in
+    commands = sorted({(runs.load_json(p) or {}).get("command", "") for p in
                        glob.glob(os.path.join(out, "*.outcome.json"))})
     gain = gain_summary(result, control, commands)
     gain.update(commit=commit, mixed_commits_why=args.mixed_commits_why)

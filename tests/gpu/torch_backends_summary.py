@@ -15,15 +15,10 @@ import json
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from experiments.gpu_runs import load_json as _load  # noqa: E402
+
 P1_GOAL, P5_GOAL = 0.99, 0.8
-
-
-def _load(path: str):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
 
 
 def _probe(folder: str):
