@@ -1,0 +1,107 @@
+"""tests/gpu/verl_e2e.py on CPU: the fixture it builds, the job's config composed and
+checked by verl 0.9.1's own code (the adapter's entry included), the record a run
+leaves. The job itself needs a GPU, Ray and vLLM (issue 62)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+pytest.importorskip("verl")
+pytest.importorskip("hydra")
+
+from tests.gpu import verl_e2e as e2e  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def fixture(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("verl_fixture"))
+    made = e2e.make_fixture(folder)
+    assert made["tokens"] <= 512  # the model's vocabulary holds the tokenizer's
+    return folder
+
+
+def test_the_fixture_is_a_model_verl_can_load_and_data_it_can_read(fixture):
+    import pandas as pd
+    from transformers import AutoConfig, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(fixture, "model"))
+    assert "assistant" in tokenizer.apply_chat_template(
+        [{"role": "user", "content": "what is 1 plus 2"}], add_generation_prompt=True,
+        tokenize=False)
+    assert AutoConfig.from_pretrained(os.path.join(fixture, "model")).model_type == "qwen2"
+    train = pd.read_parquet(os.path.join(fixture, "train.parquet"))
+    assert len(train) == e2e.PROMPTS and train.iloc[3]["reward_model"]["ground_truth"] == "4"
+    namespace = {}
+    exec(open(os.path.join(fixture, "reward.py")).read(), namespace)
+    assert namespace["compute_score"]("toy_add", "the answer is 4", "4") == 1.0
+
+
+@pytest.mark.parametrize("amem", [True, False])
+def test_the_jobs_config_passes_verls_own_checks(fixture, amem):
+    config, rollout = e2e.compose(e2e.overrides(fixture, amem, share=0.2, steps=3))
+    assert rollout.name == "vllm" and rollout.tensor_model_parallel_size == 1
+    assert rollout.enable_sleep_mode and rollout.free_cache_engine  # what the adapter hooks
+    assert rollout.gpu_memory_utilization == 0.2
+    assert (dict(rollout.custom or {}).get("amem") == {"enable": True}) is amem
+    assert config.actor_rollout_ref.actor.strategy == "fsdp2"
+    assert config.trainer.total_training_steps == 3
+    ray_init = config.ray_kwargs.ray_init
+    assert ray_init.num_gpus == 2  # the harness's two ranks on one card
+    assert ray_init.runtime_env.env_vars.CUDA_VISIBLE_DEVICES == "0"  # a string, not 0
+
+
+def test_a_bad_amem_key_stops_the_job_at_its_config_with_the_valid_keys(fixture):
+    with pytest.raises(Exception, match=r"unknown key\(s\) \['bogus'\]; valid keys: enable"):
+        e2e.compose(e2e.overrides(fixture, True)
+                    + ["+actor_rollout_ref.rollout.custom.amem.bogus=1"])
+
+
+def test_the_environment_leaves_the_devices_to_ray():
+    env = e2e.environment({"CUDA_VISIBLE_DEVICES": "0", "PATH": "/bin"})
+    assert "CUDA_VISIBLE_DEVICES" not in env and env["NCCL_MULTI_RANK_GPU_ENABLE"] == "1"
+
+
+def test_a_runs_record_holds_every_step_and_the_amem_figures(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    rows = [{"step": s, "data": {"timing_s/step": 2.0 + s, "timing_s/gen": 1.0,
+                                 "actor/pg_loss": 0.1 * s, "amem/begin/groups_suspended": 1,
+                                 "amem/host_backup/reused": 320 * (s - 1)}} for s in (1, 2, 3)]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = e2e.record("with-0", True, 0.15, ["python", "-m", "x"], 0, 99.0, "done", str(metrics))
+    assert got["ok"] and got["steps"] == 3 and got["step_s"] == [3.0, 4.0, 5.0]
+    assert got["amem_keys"] == ["amem/begin/groups_suspended", "amem/host_backup/reused"]
+    assert got["amem_last"]["amem/host_backup/reused"] == 640 and not got["oom"]
+    failed = e2e.record("base-0", False, 0.3, ["x"], 1, 5.0,
+                        "ValueError: Free memory on device (10.1/79.2 GiB) on startup is less "
+                        "than desired GPU memory utilization", str(tmp_path / "none.jsonl"))
+    assert not failed["ok"] and failed["oom"] and failed["steps"] == 0
+
+
+def test_a_run_ends_its_whole_process_group_and_records_it(tmp_path, monkeypatch):
+    # the job's process stands in for main_ppo: it writes a step and exits 0
+    script = ("import json,os;open(os.environ['VERL_FILE_LOGGER_PATH'],'w').write("
+              "json.dumps({'step':1,'data':{'timing_s/step':1.5}})+'\\n');print('trained')")
+    real_popen, stops = e2e.subprocess.Popen, []
+
+    def popen(command, **kwargs):
+        if command[:2] == ["ray", "stop"]:  # the job's Ray, stopped after it
+            stops.append(command)
+            return real_popen(["true"], **kwargs)
+        if "verl.trainer.main_ppo" not in command:  # git, for the record's commit
+            return real_popen(command, **kwargs)
+        assert kwargs["start_new_session"]
+        assert "CUDA_VISIBLE_DEVICES" not in kwargs["env"]
+        return real_popen([sys.executable, "-c", script], **kwargs)
+
+    monkeypatch.setattr(e2e.subprocess, "Popen", popen)
+    got = e2e.run(str(tmp_path), "base-0", "/fixture", False, 0.15, 1, timeout_s=60)
+    assert got["ok"] and got["step_s"] == [1.5] and "trained" in got["tail"]
+    assert stops == [["ray", "stop", "--force"]]
+    assert json.load(open(tmp_path / "base-0" / "record.json"))["rc"] == 0
