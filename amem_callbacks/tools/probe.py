@@ -45,8 +45,8 @@ def probe(backend_name: str = "nccl") -> dict:
         out.update(path=handle.path.value, why=handle.why)
         before = backend.memory(handle)
         # the bound first, as the policy sets it at a begin: a resume keeps only what fits
-        # it (set after the first cycle, the probe's run on torch 2.15 kept nothing: the
-        # first resume had already unpinned every block, and reused read 0)
+        # it, and it starts at 0, so a bound set after the first cycle keeps nothing (that
+        # resume unpins every block) and the second suspend pins afresh: reused reads 0
         host_backup.bound(before.suspendable)
         torch.cuda.synchronize()
         free0 = torch.cuda.mem_get_info()[0]
