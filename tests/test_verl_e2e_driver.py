@@ -91,8 +91,8 @@ def test_a_run_ends_its_whole_process_group_and_records_it(tmp_path, monkeypatch
     real_popen, stops = e2e.subprocess.Popen, []
 
     def popen(command, **kwargs):
-        if command[:2] == ["ray", "stop"]:  # the job's Ray, stopped after it
-            stops.append(command)
+        if command[1:] == ["-m", "ray.scripts.scripts", "stop", "--force"]:  # the job's Ray
+            stops.append(command[1:])
             return real_popen(["true"], **kwargs)
         if "verl.trainer.main_ppo" not in command:  # git, for the record's commit
             return real_popen(command, **kwargs)
@@ -103,5 +103,5 @@ def test_a_run_ends_its_whole_process_group_and_records_it(tmp_path, monkeypatch
     monkeypatch.setattr(e2e.subprocess, "Popen", popen)
     got = e2e.run(str(tmp_path), "base-0", "/fixture", False, 0.15, 1, timeout_s=60)
     assert got["ok"] and got["step_s"] == [1.5] and "trained" in got["tail"]
-    assert stops == [["ray", "stop", "--force"]]
+    assert stops == [["-m", "ray.scripts.scripts", "stop", "--force"]]
     assert json.load(open(tmp_path / "base-0" / "record.json"))["rc"] == 0

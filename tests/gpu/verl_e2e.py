@@ -213,7 +213,10 @@ def run(out: str, name: str, fixture: str, amem: bool, share: float, steps: int,
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            subprocess.run(["ray", "stop", "--force"], capture_output=True)
+            # the module, not the `ray` script: a bundle installed with --target has no
+            # script on PATH
+            subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"],
+                           capture_output=True)
     with open(os.path.join(folder, "log.txt"), errors="replace") as f:
         text = f.read()
     result = record(name, amem, share, command, rc, time.monotonic() - began, text, metrics)
