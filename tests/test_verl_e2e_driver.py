@@ -54,7 +54,9 @@ def test_the_jobs_config_passes_verls_own_checks(fixture, amem):
     assert config.trainer.total_training_steps == 3
     ray_init = config.ray_kwargs.ray_init
     assert ray_init.num_gpus == 2  # the harness's two ranks on one card
-    assert ray_init.runtime_env.env_vars.CUDA_VISIBLE_DEVICES == "0"  # a string, not 0
+    env_vars = ray_init.runtime_env.env_vars
+    assert env_vars.CUDA_VISIBLE_DEVICES == "0"  # a string, not 0
+    assert env_vars.NCCL_MULTI_RANK_GPU_ENABLE == "1" and env_vars.VLLM_USE_FLASHINFER_SAMPLER == "0"
 
 
 def test_a_bad_amem_key_stops_the_job_at_its_config_with_the_valid_keys(fixture):
@@ -66,6 +68,7 @@ def test_a_bad_amem_key_stops_the_job_at_its_config_with_the_valid_keys(fixture)
 def test_the_environment_leaves_the_devices_to_ray():
     env = e2e.environment({"CUDA_VISIBLE_DEVICES": "0", "PATH": "/bin"})
     assert "CUDA_VISIBLE_DEVICES" not in env and env["NCCL_MULTI_RANK_GPU_ENABLE"] == "1"
+    assert env["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
 
 
 def test_a_runs_record_holds_every_step_and_the_amem_figures(tmp_path):

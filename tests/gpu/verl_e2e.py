@@ -43,6 +43,14 @@ from experiments.gpu_runs import load_json  # noqa: E402
 #: allocations move the free memory under it (vllm v1 gpu_worker's memory check)
 KV_BYTES = 2 << 30
 PROMPTS = 256
+#: every Ray worker's environment beyond verl's own (strings: Ray takes no other type)
+WORKER_ENV = {
+    # two ranks of one communicator on one card (NCCL >= 2.30)
+    "NCCL_MULTI_RANK_GPU_ENABLE": "1",
+    # vLLM 0.24's sampler imports flashinfer unless this is 0; flashinfer does not travel
+    # (tests/gpu/bundle_verl_e2e.sh): PyTorch's sampler instead, with or without the package
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",
+}
 
 
 def make_fixture(folder: str) -> dict:
@@ -125,7 +133,8 @@ def overrides(fixture: str, amem: bool, share: float = 0.15, steps: int = 20,
         # the harness's two ranks on one card (module docstring)
         "+ray_kwargs.ray_init.num_gpus=2",
         "+ray_kwargs.ray_init.runtime_env.env_vars.CUDA_VISIBLE_DEVICES='0'",
-    ] + (["+actor_rollout_ref.rollout.custom.amem.enable=true"] if amem else [])
+    ] + [f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}='{v}'" for k, v in WORKER_ENV.items()
+         ] + (["+actor_rollout_ref.rollout.custom.amem.enable=true"] if amem else [])
 
 
 def compose(overrides_: list):
@@ -154,7 +163,7 @@ def environment(base=None) -> dict:
     worker), several ranks on one GPU allowed (inherited by the raylet and its workers)."""
     env = dict(os.environ if base is None else base)
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    env["NCCL_MULTI_RANK_GPU_ENABLE"] = "1"
+    env.update(WORKER_ENV)  # the raylet and its workers inherit it too
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
