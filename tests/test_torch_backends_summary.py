@@ -75,6 +75,7 @@ def test_a_folder_without_results_fails_rather_than_passing_empty(tmp_path):
 def test_the_gpu_script_parses():
     subprocess.run(["bash", "-n", "tests/gpu/torch_backends_gpu.sh"], cwd=ROOT, check=True)
     subprocess.run(["bash", "-n", "tests/gpu/bundle_torch.sh"], cwd=ROOT, check=True)
+    subprocess.run(["bash", "-n", "tests/gpu/bundle_verl_e2e.sh"], cwd=ROOT, check=True)
 
 
 def test_the_gpu_script_runs_every_backend_this_torch_has_and_fails_here_without_a_gpu(
