@@ -402,3 +402,22 @@ def test_a_slimmed_wheel_keeps_only_the_named_members_and_installs(tmp_path):
     assert not os.path.exists(os.path.join(site, "amemslim", "include"))
     with pytest.raises(SystemExit, match="nothing matches"):
         slim_wheel.slim(wheel, dest, ["nowhere/*"])
+
+
+def test_the_device_calls_carry_each_part_and_chain_the_install_to_the_last(tmp_path, capsys):
+    src = str(tmp_path / "src")
+    os.makedirs(src)
+    fake_wheel(src, "amemcalls", "1.0")
+    dest = str(tmp_path / "out")
+    manifest = vb.split(src, dest, 300)
+    assert len(manifest["parts"]) >= 2
+    lines = vb.device_calls(dest, "/tmp/x-parts", "/tmp/site-x")
+    assert len(lines) == len(manifest["parts"])
+    assert lines[0] == (f"carry [{dest}/part-00]: python3 tests/gpu/vllm_bundle.py receive "
+                        f"{dest}/part-00 --store /tmp/x-parts")
+    assert lines[-1].endswith(" && python3 tests/gpu/vllm_bundle.py install --store "
+                              "/tmp/x-parts --site /tmp/site-x")
+    assert vb.main(["commands", dest, "--check"]) == 0  # the vLLM bundle's own places
+    printed = capsys.readouterr().out.splitlines()
+    assert "--store" not in printed[-1] and printed[-1].endswith(
+        " && python3 tests/gpu/vllm_bundle.py install && python3 tests/gpu/vllm_bundle.py check")

@@ -53,14 +53,6 @@ cp "$NCCL_XZ" "$WHEELS"/libnccl.so.2.xz
 # a fifth (3 of 15 calls) for 10-20 minutes of xz on two cores: split as downloaded.
 python3 tests/gpu/vllm_bundle.py split "$WHEELS" "$DEST" --no-pins
 
-python3 - "$DEST" "/tmp/$TAG-parts" "/tmp/site-$TAG" > "$DEST"/COMMANDS.txt <<'PY'
-import json, sys
-dest, store, site = sys.argv[1:]
-parts = [p["part"] for p in json.load(open(f"{dest}/manifest.json"))["parts"]]
-for i, part in enumerate(parts):
-    line = f"python3 tests/gpu/vllm_bundle.py receive {dest}/{part} --store {store}"
-    if i == len(parts) - 1:
-        line += f" && python3 tests/gpu/vllm_bundle.py install --store {store} --site {site}"
-    print(f"carry [{dest}/{part}]: {line}")
-PY
+python3 tests/gpu/vllm_bundle.py commands "$DEST" --store "/tmp/$TAG-parts" \
+    --site "/tmp/site-$TAG" > "$DEST"/COMMANDS.txt
 echo "device calls: $DEST/COMMANDS.txt"

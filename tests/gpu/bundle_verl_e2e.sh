@@ -61,14 +61,6 @@ count=$(ls "$WHEELS"/*.whl | wc -l)
 $(( ${#PINS[@]} + 1 )) pins: remove the folder and run again" >&2; exit 1; }
 
 python3 tests/gpu/vllm_bundle.py split "$WHEELS" "$DEST" --no-pins
-python3 - "$DEST" > "$DEST"/COMMANDS.txt <<'PY'
-import json, sys
-dest = sys.argv[1]
-parts = [p["part"] for p in json.load(open(f"{dest}/manifest.json"))["parts"]]
-for i, part in enumerate(parts):
-    line = f"python3 tests/gpu/vllm_bundle.py receive {dest}/{part} --store /tmp/verl-parts"
-    if i == len(parts) - 1:
-        line += " && python3 tests/gpu/vllm_bundle.py install --store /tmp/verl-parts --site /tmp/site-verl"
-    print(f"carry [{dest}/{part}]: {line}")
-PY
+python3 tests/gpu/vllm_bundle.py commands "$DEST" --store /tmp/verl-parts --site /tmp/site-verl \
+  > "$DEST"/COMMANDS.txt
 echo "device calls: $DEST/COMMANDS.txt"

@@ -94,15 +94,5 @@ python3 tests/gpu/vllm_bundle.py split "$PACKED" "$DEST"
 
 # The device calls, in order: one part folder each, back to back (the machine keeps
 # /tmp only while it stays warm between calls).
-python3 - "$DEST" > "$DEST"/COMMANDS.txt <<'PY'
-import json, sys
-dest = sys.argv[1]
-parts = [p["part"] for p in json.load(open(f"{dest}/manifest.json"))["parts"]]
-for i, part in enumerate(parts):
-    line = f"python3 tests/gpu/vllm_bundle.py receive {dest}/{part}"
-    if i == len(parts) - 1:
-        line += (" && python3 tests/gpu/vllm_bundle.py install"
-                 " && python3 tests/gpu/vllm_bundle.py check")
-    print(f"carry [{dest}/{part}]: {line}")
-PY
+python3 tests/gpu/vllm_bundle.py commands "$DEST" --check > "$DEST"/COMMANDS.txt
 echo "device calls: $DEST/COMMANDS.txt"

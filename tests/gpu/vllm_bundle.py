@@ -760,6 +760,25 @@ def check(site: str = SITE, python: str = sys.executable, timeout_s: float = 300
     return result
 
 
+def device_calls(dest: str, store: Optional[str] = None, site: Optional[str] = None,
+                 check_after: bool = False) -> list:
+    """The device calls that carry bundle ``dest``, in order: one part folder each (the
+    machine keeps /tmp only while it stays warm between calls), the last chained with
+    ``install`` (and ``check``). ``store``/``site``: another bundle's places there."""
+    parts = [p["part"] for p in load_manifest(dest)["parts"]]
+    where = f" --store {store}" if store else ""
+    lines = []
+    for i, part in enumerate(parts):
+        line = f"python3 tests/gpu/vllm_bundle.py receive {dest}/{part}{where}"
+        if i == len(parts) - 1:
+            line += f" && python3 tests/gpu/vllm_bundle.py install{where}" + (
+                f" --site {site}" if site else "")
+            if check_after:
+                line += " && python3 tests/gpu/vllm_bundle.py check"
+        lines.append(f"carry [{dest}/{part}]: {line}")
+    return lines
+
+
 # --- the command line ------------------------------------------------------------------
 def main(argv: Optional[list] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -780,6 +799,11 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--pins", action=argparse.BooleanOptionalAction, default=True,
                    help="name vLLM's carried pins in the manifest (--no-pins: another bundle, "
                         "e.g. tests/gpu/bundle_torch.sh's)")
+    p = sub.add_parser("commands", help="the device calls that carry bundle DEST, in order")
+    p.add_argument("dest")
+    p.add_argument("--store", default=None)
+    p.add_argument("--site", default=None)
+    p.add_argument("--check", action="store_true", help="chain `check` after `install`")
     p = sub.add_parser("receive", help="device: take one carried part folder")
     p.add_argument("part_dir")
     p.add_argument("--store", default=STORE)
@@ -821,6 +845,8 @@ def main(argv: Optional[list] = None) -> int:
         print(f"{len(manifest['parts'])} parts of at most {size / 1e6:.1f} MB "
               f"(the tree that travels with each call: {tree / 1e6:.1f} MB), "
               f"{manifest['total_bytes'] / 1e6:.1f} MB in all, bundle {manifest['bundle_id']}")
+    elif args.command == "commands":
+        print("\n".join(device_calls(args.dest, args.store, args.site, args.check)))
     elif args.command == "receive":
         have, missing = receive(args.part_dir, args.store)
         print(f"{len(have)} of {len(have) + len(missing)} parts in {args.store}"
