@@ -241,3 +241,19 @@ def test_a_refused_torch_backend_stops_the_cpu_bench_in_one_line():
     assert run.stderr.strip().splitlines() == [
         "amem-callbacks bench: --torch-backend nccl-lazy builds NCCL groups and this machine "
         "has no GPU: leave it out for the CPU dry run (gloo)"]
+
+
+def test_the_report_names_the_suspects_of_a_missed_p5():
+    from amem_callbacks.tools.bench_report import suspect_lines
+    progress = {"suspects": {"begin": {"calls": [[0.041, "ProcessGroupNCCL._comm_ptr", "t-1"]]},
+                             "end": {"calls": []}}}
+    lines = suspect_lines(progress)
+    assert "  begin: ProcessGroupNCCL._comm_ptr 41 ms (t-1)" in lines
+    assert "  end: none" in lines
+
+
+def test_the_bench_profiles_one_more_cycle_for_suspects(bench):
+    _, report = bench
+    suspects = report["caller_progress"]["suspects"]
+    assert set(suspects) == {"begin", "end"}
+    assert all(isinstance(s["calls"], list) for s in suspects.values())

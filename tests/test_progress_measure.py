@@ -8,7 +8,8 @@ rule "no call into NCCL may hold the GIL", on CPU.
 import ctypes
 import threading
 
-from amem_callbacks.tools.progress import REPEATS, progress_during, transition_progress
+from amem_callbacks.tools.progress import REPEATS, progress_during, slow_c_calls, \
+    transition_progress, transition_suspects
 
 LIBC_CALLS, CALL_US = 8, 60_000  # 8 calls of 60 ms: like one NCCL call per communicator
 
@@ -84,3 +85,31 @@ def test_the_transition_progress_is_the_median_of_three_cycles_and_lists_each():
         assert len(runs) == REPEATS and out[kind]["first_ratio"] == runs[0]["ratio"]
         assert out[kind]["ratio"] == sorted(r["ratio"] for r in runs)[1]
         assert out[kind]["ratio"] < 0.25  # a call that holds the GIL, every cycle
+
+
+class _BuiltinPolicy(_Policy):
+    """Its transitions run a builtin that holds the GIL (``sum`` over a long range):
+    what a torch method bound without a GIL release looks like to the profiler."""
+
+    def __init__(self):
+        def start():
+            worker = threading.Thread(target=lambda: sum(range(3_000_000)), daemon=True)
+            worker.start()
+            return worker
+        self.start, self.calls, self.last = start, [], None
+
+
+def test_the_suspects_name_a_builtin_that_held_the_gil_and_never_a_ctypes_call():
+    held = transition_suspects(_BuiltinPolicy(), lambda: None)
+    for kind in ("begin", "end"):
+        names = [name for _took, name, _thread in held[kind]["calls"]]
+        assert "sum" in names, held
+    released = transition_suspects(_Policy(ctypes.CDLL(None)), lambda: None)
+    assert released["begin"]["calls"] == [] and released["end"]["calls"] == [], released
+
+
+def test_the_suspects_leave_out_waits_and_short_calls():
+    def run():
+        threading.Event().wait(0.05)  # a wait: the GIL is released while it lasts
+        len("short")
+    assert slow_c_calls(run)["calls"] == []

@@ -27,7 +27,7 @@ from .bench_backup import backup_cycles
 from .bench_stages import ROLES, Stages, plan
 from .launch import free_port, gather_ints, local_device
 from .pairs import interleaved
-from .progress import transition_progress
+from .progress import transition_progress, transition_suspects
 
 
 class MemorySampler:
@@ -292,7 +292,11 @@ def _caller_progress(loop: Loop, backend: str, workers: int) -> dict:
     three cycles."""
     policy = OffloadPolicy(backend=backend, keep=["tp"], overlap=True, workers=workers,
                            groups=loop.all_groups())
-    return transition_progress(policy, lambda: loop.dist.barrier(group=loop.sync))
+    barrier = lambda: loop.dist.barrier(group=loop.sync)  # noqa: E731
+    progress = transition_progress(policy, barrier)
+    # where a figure falls with no GIL-holding path, the C calls that may hold it
+    progress["suspects"] = transition_suspects(policy, barrier)
+    return progress
 
 
 def _learned(metrics: dict, phase: str) -> dict:

@@ -195,6 +195,8 @@ def table(summary: dict) -> str:
         met = summary["goal_met"].get(name)
         mark = "" if met is None else (" ok" if met else " MISSED")
         lines.append(f"{name:<24}{shown:>8}  {goal:<8} {MEANING[name]}{mark}")
+    if summary["goal_met"].get("P5") is False:
+        lines += suspect_lines(summary.get("caller_progress") or {})
     if not summary["config"].get("full"):
         lines += ["", "quick run: few steps and short transitions, so the timing ratios (P2, "
                       "P2b, P3, P5) are noisier than with --full"]
@@ -202,6 +204,17 @@ def table(summary: dict) -> str:
         lines += ["", f"{summary['ranks_per_gpu']} ranks share each GPU: memory and time are "
                       "shared-GPU figures (P1 counts every sharing rank's NCCL bytes)"]
     return "\n".join(lines)
+
+
+def suspect_lines(progress: dict) -> list:
+    """Under a missed P5: the long C calls of a profiled cycle (tools/progress.py)."""
+    lines = ["", "P5 missed; C calls of 2 ms or more in a profiled cycle (a pybind method "
+                 "holds the GIL unless torch releases it):"]
+    for kind, found in (progress.get("suspects") or {}).items():
+        calls = found.get("calls") or []
+        shown = ", ".join(f"{name} {took * 1000:.0f} ms ({thread})" for took, name, thread in calls)
+        lines.append(f"  {kind}: {shown or 'none'}")
+    return lines
 
 
 def write_outputs(summary: dict, raw: dict, out_dir: str) -> None:

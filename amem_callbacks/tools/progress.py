@@ -9,6 +9,8 @@ falls towards 0 when it holds it (torch's own suspend(): 0.03-0.07 measured).
 from __future__ import annotations
 
 import statistics
+import sys
+import threading
 import time
 from typing import Callable, Optional
 
@@ -78,4 +80,62 @@ def transition_progress(policy, barrier: Callable[[], None], repeats: int = REPE
                      "first_ratio": runs[0]["ratio"], "runs": runs,
                      "gil_held": any(r["gil_held"] for r in runs),
                      "paths": sorted({p for r in runs for p in r["paths"]})}
+    return out
+
+
+#: C calls shorter than this are left out of :func:`slow_c_calls` (a switch interval is 5 ms)
+SLOW_CALL_S = 0.002
+#: calls that wait with the GIL released: long, and no suspect
+WAITS = ("acquire", "wait", "sleep", "join", "select", "poll", "recv", "accept")
+
+
+def slow_c_calls(run: Callable[[], None], min_s: float = SLOW_CALL_S, top: int = 8) -> dict:
+    """Which calls into C took long in any thread while ``run()`` ran: the suspects
+    when the caller's progress falls with ``gil_held`` false (a torch method bound
+    with pybind holds the GIL unless torch releases it; a ctypes call is no such
+    call and never listed). Profiling slows every thread, so ``run`` must be a
+    cycle of its own, never one whose progress is reported. Python < 3.12 sees only
+    the threads started while it runs (no ``threading.setprofile_all_threads``)."""
+    started, calls = {}, []
+    lock = threading.Lock()
+
+    def hook(frame, event, arg):
+        if event == "c_call":
+            started.setdefault(threading.get_ident(), []).append(time.perf_counter())
+        elif event in ("c_return", "c_exception"):
+            stack = started.get(threading.get_ident())
+            if not stack:
+                return
+            took = time.perf_counter() - stack.pop()
+            name = getattr(arg, "__qualname__", None) or getattr(arg, "__name__", repr(arg))
+            if took >= min_s and not name.rsplit(".", 1)[-1].startswith(WAITS):
+                with lock:
+                    calls.append((round(took, 4), name, threading.current_thread().name))
+
+    set_all = getattr(threading, "setprofile_all_threads", None)
+    (set_all or threading.setprofile)(hook)
+    sys.setprofile(hook)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+        (set_all or threading.setprofile)(None)
+    calls.sort(reverse=True)
+    return {"calls": [list(c) for c in calls[:top]], "min_s": min_s,
+            "all_threads": set_all is not None}
+
+
+def transition_suspects(policy, barrier: Callable[[], None], phase: str = "rollout") -> dict:
+    """One more overlapped begin/end cycle of ``policy`` under :func:`slow_c_calls`:
+    per kind, the long C calls while it was in flight (not timed for progress)."""
+    def cycle_part(kind):
+        def run():
+            policy.begin(phase) if kind == "begin" else policy.end(phase)
+            policy.wait()
+        return run
+
+    out = {}
+    for kind in ("begin", "end"):
+        barrier()
+        out[kind] = slow_c_calls(cycle_part(kind))
     return out
