@@ -38,7 +38,7 @@ import functools
 import threading
 from typing import Protocol
 
-from .patching import MARK
+from .patching import mark
 
 
 class CallKind(str, enum.Enum):
@@ -150,7 +150,7 @@ def _method_wrapper(name: str, kind: CallKind, original):
                     owner.before_use(self, kind, name)
             return original(self, *args, **kwargs)
     guarded.__name__ = guarded.__qualname__ = name
-    setattr(guarded, MARK, original)  # patching's marker: a wrapper, never wrapped twice
+    mark(guarded, original)  # patching's marker: a wrapper, never wrapped twice
     return guarded
 
 
@@ -170,7 +170,7 @@ def _function_wrapper(name: str, kind: CallKind, original):
                         owner.forget(target)
         return original(*args, **kwargs)
 
-    setattr(guarded, MARK, original)  # patching's marker: a wrapper, never wrapped twice
+    mark(guarded, original)  # patching's marker: a wrapper, never wrapped twice
     return guarded
 
 

@@ -2,8 +2,14 @@
 can all be undone, and actions that run right after a module is first imported.
 
 One marker attribute (``__amem_original__``) on every wrapper: it makes wrapping
-idempotent (a class is never wrapped twice, whoever asks) and lets ``undo``
-put the original back.
+idempotent (a class is never wrapped twice, whoever asks) and names the original.
+The marker holds the original in an :class:`Original`, which pickles to an empty
+one: Ray's tracing wraps every actor method with ``functools.wraps``, which copies
+the marker into its own wrapper, and cloudpickle sends that wrapper by value. The
+original is no longer importable under its own name (the wrapper took its place),
+so it would go by value too, closures and all, and verl 0.9.1's does not pickle
+("cannot pickle 'ConfigModuleInstance'": every verl job died at its first worker
+group, measured on an H100). The process that unpickles has its own wrappers.
 """
 
 from __future__ import annotations
@@ -17,6 +23,29 @@ from typing import Callable, Optional
 MARK = "__amem_original__"
 #: the marker's value on an attribute the adapter added (there is no original)
 ADDED = "added by amem_callbacks"
+
+
+class Original:
+    """The marker's value: the function a wrapper replaced (None once pickled)."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __reduce__(self):
+        return Original, (None,)
+
+
+def mark(new, original) -> None:
+    """Mark ``new`` as the wrapper of ``original`` (or ADDED): see the module's note."""
+    setattr(new, MARK, Original(original))
+
+
+def original_of(fn):
+    """The function ``fn`` wraps, ADDED for an added attribute, None for neither."""
+    held = getattr(fn, MARK, None)
+    return held.fn if isinstance(held, Original) else None
 
 
 def is_wrapped(fn) -> bool:
@@ -36,7 +65,7 @@ def wrapper(original: Callable, around: Callable) -> Callable:
         @functools.wraps(original)
         def wrapped(*args, **kwargs):
             return around(original, *args, **kwargs)
-    setattr(wrapped, MARK, original)
+    mark(wrapped, original)
     return wrapped
 
 
@@ -78,7 +107,7 @@ class Patches:
             return False
         if replace is not None:
             new = replace(original)
-            setattr(new, MARK, original)
+            mark(new, original)
         else:
             new = wrapper(original, around or _before_after(before, after))
         self._done.append((owner, name, original, name in vars(owner)))
@@ -89,7 +118,7 @@ class Patches:
         """Give ``owner`` a new attribute (removed again by ``undo``)."""
         if name in vars(owner):
             return
-        setattr(value, MARK, ADDED)
+        mark(value, ADDED)
         self._done.append((owner, name, None, False))
         setattr(owner, name, value)
 

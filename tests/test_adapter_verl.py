@@ -275,3 +275,28 @@ def test_the_first_begin_says_how_far_the_rollouts_share_of_the_gpu_can_go():
         expected = int((now + (freed - 512 * 2**20) / (80 * 2**30)) * 10**4) / 10**4
         assert metrics["amem/headroom/gpu_memory_utilization"] == max(now, expected)
         assert "actor_rollout_ref.rollout.gpu_memory_utilization" in session["headroom_line"]
+
+
+# --- what Ray ships to the workers -------------------------------------------------
+def test_the_worker_classes_ray_ships_pickle_with_the_wrappers_in_place():
+    """Ray sends verl's colocated worker class by value, through its tracing wrappers,
+    which copy our marker. The wrapped original then went by value too and verl's does
+    not pickle: every verl job died at its first worker group, with and without
+    ``amem.enable`` (an H100, session R). The marker pickles to an empty one now."""
+    ray = pytest.importorskip("ray")
+    from ray import cloudpickle
+    from verl.single_controller.ray.base import RayClassWithInitArgs, create_colocated_worker_cls
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    from amem_callbacks.patching import is_wrapped, original_of
+
+    adapter.install()
+    hooked = ("update_weights", "init_model", "amem_rollout_ended", "amem_metrics")
+    assert all(is_wrapped(ActorRolloutRefWorker.__dict__[name]) for name in hooked)
+    worker = RayClassWithInitArgs(cls=ray.remote(ActorRolloutRefWorker), config=None,
+                                  role="actor_rollout")
+    shipped = create_colocated_worker_cls({"actor_rollout": worker}).cls
+    for cls in (shipped, worker.cls):
+        cloudpickle.loads(cloudpickle.dumps(cls.__ray_metadata__.modified_class))
+    # the process that built the wrapper still finds its original
+    assert original_of(ActorRolloutRefWorker.update_weights) is not None

@@ -9,6 +9,7 @@ import os, torch, torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 from torch.distributed import all_gather_into_tensor as bound_gather   # bound before install
 from amem_callbacks import guard
+from amem_callbacks.patching import original_of
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
 dist.init_process_group("gloo", rank=0, world_size=1)
 PG = dist.ProcessGroup
@@ -16,7 +17,7 @@ raw = {n: PG.__dict__[n] for n in guard.GUARDED_METHODS if n in PG.__dict__}
 functions = (dist.all_reduce, dist.isend, dist.new_group)
 guard.install(); guard.install()  # idempotent
 assert dist.all_reduce is functions[0] and dist.isend is functions[1]  # torch's functions untouched
-assert dist.new_group is not functions[2] and dist.new_group.__amem_original__ is functions[2]
+assert dist.new_group is not functions[2] and original_of(dist.new_group) is functions[2]
 
 class Owner:
     calls = []
@@ -91,6 +92,7 @@ def test_a_wrapper_installed_before_the_guard_stays_underneath():
     import torch.distributed as dist
 
     from amem_callbacks import guard
+    from amem_callbacks.patching import original_of
 
     cls = dist.ProcessGroup
     raw = cls.__dict__["barrier"]
@@ -102,7 +104,7 @@ def test_a_wrapper_installed_before_the_guard_stays_underneath():
     cls.barrier = tracer
     try:
         guard.install()
-        assert cls.__dict__["barrier"].__amem_original__ is tracer
+        assert original_of(cls.__dict__["barrier"]) is tracer
         guard.uninstall()
         assert cls.__dict__["barrier"] is tracer
     finally:
