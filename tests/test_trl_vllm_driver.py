@@ -1006,3 +1006,25 @@ def test_the_h200_search_record_replays_to_its_shares_and_the_readmes_figures():
     assert round(ratio("whole_run_mean_step_s"), 3) == 0.951
     assert round(ratio("whole_run_tokens_per_s"), 2) == 1.23
     assert round(ratio("kv_cache_tokens"), 2) == 1.58
+
+
+def test_search_runs_take_search_steps_and_the_pairs_take_steps(tmp_path):
+    """A search run only says whether a share fits; the pairs' runs are the figures."""
+    args = argparse.Namespace(
+        steps=48, steps_per_generation=16, search_steps=32, batch=4, num_generations=8,
+        completion_length=1024, max_model_len=2048, prompt_words=16, hidden=64, layers=2,
+        heads=4, kv_heads=2, gradient_checkpointing=False, git_head=None)
+    search = {"name": "search-base-0.0348", "variant": "search_base"}
+    pair = {"name": "best-base-0", "variant": drv.BEST_WITHOUT}
+    flags = lambda spec: drv.driver_flags(args, drv.run_steps(spec, args))  # noqa: E731
+    assert flags(search)[:2] == ["--steps", "32"] and flags(pair)[:2] == ["--steps", "48"]
+    args.search_steps = None
+    assert flags(search)[:2] == ["--steps", "48"]
+
+
+def test_search_steps_under_two_generations_are_refused_at_start_up(capsys):
+    with pytest.raises(SystemExit):
+        drv.main(["pairs", "--state", "/nonexistent", "--steps-per-generation", "16",
+                  "--search-steps", "16"])
+    err = capsys.readouterr().err
+    assert "under two generations" in err and "--search-steps 32" in err

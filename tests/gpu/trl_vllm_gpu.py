@@ -1383,9 +1383,10 @@ def _gib(nbytes: Optional[int]) -> Optional[float]:
     return None if nbytes is None else round(nbytes / GIB, 3)
 
 
-def driver_flags(args) -> list:
-    """The ``run`` flags the orchestrator passes through to every run."""
-    return ["--steps", str(args.steps), "--batch", str(args.batch),
+def driver_flags(args, steps: Optional[int] = None) -> list:
+    """The ``run`` flags the orchestrator passes through to every run (``steps``: this
+    run's, where it is not ``--steps``)."""
+    return ["--steps", str(steps or args.steps), "--batch", str(args.batch),
             "--steps-per-generation", str(args.steps_per_generation),
             "--num-generations", str(args.num_generations),
             "--completion-length", str(args.completion_length),
@@ -1394,6 +1395,13 @@ def driver_flags(args) -> list:
             "--kv-heads", str(args.kv_heads),
             *(["--gradient-checkpointing"] if args.gradient_checkpointing else []),
             *(["--git-head", args.git_head] if args.git_head else [])]
+
+
+def run_steps(spec: dict, args) -> int:
+    """A search run's steps are ``--search-steps`` where given: it only has to say
+    whether the share fits; the pairs' runs, whose figures are reported, run ``--steps``."""
+    searching = spec.get("variant", "").startswith("search_")
+    return (getattr(args, "search_steps", None) or args.steps) if searching else args.steps
 
 
 def start_run(spec: dict, args, folder: str, env: dict):
@@ -1405,7 +1413,7 @@ def start_run(spec: dict, args, folder: str, env: dict):
             "--master-port", str(free_port()), DRIVER,
             "run", os.path.join(folder, "rank"), "--share", str(spec["share"]),
             "--amem" if spec["amem"] else "--no-amem", "--ballast-gib", str(spec["ballast_gib"]),
-            "--work", os.path.join(folder, "work"), *driver_flags(args)]
+            "--work", os.path.join(folder, "work"), *driver_flags(args, run_steps(spec, args))]
     log_path = os.path.join(folder, "log.txt")
     log = open(log_path, "w")
     # torchrun starts each rank in a session of its own: a killpg of the run misses them
@@ -1676,6 +1684,10 @@ def main(argv: Optional[list] = None) -> int:
                         "it, on the grid default + k * STEP, then pair the two (--pairs)")
     p.add_argument("--search-high", type=float, default=None,
                    help="the grid's top (with --search-step)")
+    p.add_argument("--search-steps", type=int, default=None,
+                   help="a search run's steps (default --steps): at least two generations "
+                        "(2 x --steps-per-generation), since the second KV wake-up is the "
+                        "first beside the optimizer's state")
     p.add_argument("--run-timeout-s", type=float, default=420)
     p.add_argument("--budget-s", type=float, default=540, help="stop starting runs past this")
     add_run_flags(p, orchestrator=True)
@@ -1687,6 +1699,12 @@ def main(argv: Optional[list] = None) -> int:
             args.search_step <= 0 or args.search_high is None):
         parser.error(f"--search-step {args.search_step} needs a step > 0 and --search-high, "
                      "the grid's top: e.g. --search-step 0.0039 --search-high 0.0465")
+    if args.command == "pairs" and args.search_steps is not None and \
+            args.search_steps < 2 * args.steps_per_generation:
+        parser.error(f"--search-steps {args.search_steps} is under two generations: the "
+                     "first KV wake-up comes before the optimizer's state exists, so a share "
+                     f"that fits there may not later; write --search-steps "
+                     f"{2 * args.steps_per_generation} or more")
     if getattr(args, "git_head", None):  # what common.provenance records for an export
         os.environ["AMEM_COMMIT"] = args.git_head
     if args.command == "run":
