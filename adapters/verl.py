@@ -254,7 +254,10 @@ def _patch_engine_workers(module) -> None:
     patches.wrap(worker, "init_model", before=_validate_first, required=True)
     for method in (amem_rollout_ended, amem_metrics):
         method = register(dispatch_mode=Dispatch.ONE_TO_ALL)(method)
-        method.__qualname__ = f"{worker.__qualname__}.{method.__name__}"
+        # named where it now lives, so that cloudpickle sends it by reference: by value,
+        # a copy would read this module's _session as it was in the driver (None)
+        method.__module__, method.__qualname__ = (
+            worker.__module__, f"{worker.__qualname__}.{method.__name__}")
         patches.add(worker, method.__name__, method)
 
 

@@ -300,3 +300,8 @@ def test_the_worker_classes_ray_ships_pickle_with_the_wrappers_in_place():
         cloudpickle.loads(cloudpickle.dumps(cls.__ray_metadata__.modified_class))
     # the process that built the wrapper still finds its original
     assert original_of(ActorRolloutRefWorker.update_weights) is not None
+    # what the package put on the class goes by reference: a by-value copy of an added
+    # method would read the adapter's state as the driver had it (no session)
+    for name in hooked:
+        method = ActorRolloutRefWorker.__dict__[name]
+        assert cloudpickle.loads(cloudpickle.dumps(method)) is method, name
