@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -90,7 +91,8 @@ def test_a_runs_record_holds_every_step_and_the_amem_figures(tmp_path):
 def test_a_run_ends_its_whole_process_group_and_records_it(tmp_path, monkeypatch):
     # the job's process stands in for main_ppo: it writes a step and exits 0
     script = ("import json,os;open(os.environ['VERL_FILE_LOGGER_PATH'],'w').write("
-              "json.dumps({'step':1,'data':{'timing_s/step':1.5}})+'\\n');print('trained')")
+              "json.dumps({'step':1,'data':{'timing_s/step':1.5}})+'\\n');"
+              "print('\\x1b[36m(WorkerDict pid=12)\\x1b[0m up');print('trained')")
     real_popen, stops = e2e.subprocess.Popen, []
 
     def popen(command, **kwargs):
@@ -108,3 +110,18 @@ def test_a_run_ends_its_whole_process_group_and_records_it(tmp_path, monkeypatch
     assert got["ok"] and got["step_s"] == [1.5] and "trained" in got["tail"]
     assert stops == [["-m", "ray.scripts.scripts", "stop", "--force"]]
     assert json.load(open(tmp_path / "base-0" / "record.json"))["rc"] == 0
+    # every line of the job's log carries its time, and each Ray process its first one
+    lines = (tmp_path / "base-0" / "log.txt").read_text().splitlines()
+    assert lines and all(re.match(r"^\[ *[0-9.]+ s\] ", line) for line in lines)
+    assert list(got["first_seen_s"]) == ["WorkerDict 12"]
+    assert 0 <= got["first_seen_s"]["WorkerDict 12"] < 60
+
+
+def test_first_seen_reads_each_ray_process_once_in_the_stamped_log():
+    log = ("[    1.0 s] starting\n"
+           "[    3.5 s] \x1b[36m(TaskRunnerV1 pid=7)\x1b[0m config\n"
+           "[   60.2 s] \x1b[36m(WorkerDict pid=9)\x1b[0m up\n"
+           "[   61.0 s] (WorkerDict pid=9) again\n"
+           "[  140.7 s] (vLLMHttpServer pid=11) ['serve',\n")
+    assert e2e.first_seen(log) == {"TaskRunnerV1 7": 3.5, "WorkerDict 9": 60.2,
+                                   "vLLMHttpServer 11": 140.7}

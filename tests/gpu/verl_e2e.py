@@ -28,9 +28,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -197,7 +199,32 @@ def record(name: str, amem: bool, share: float, command: list, rc, seconds: floa
             "step_s": pick("timing_s/step"), "gen_s": pick("timing_s/gen"),
             "pg_loss": pick("actor/pg_loss"), "amem_keys": amem_keys,
             "amem_last": {k: rows[-1]["data"][k] for k in amem_keys} if rows else {},
+            "first_seen_s": first_seen(log),
             "tail": log[-3000:]}
+
+
+def copy_stamped(stream, log, began: float) -> None:
+    """The job's output into ``log``, each line behind the seconds since ``began``: the
+    first run on a GPU spent ~160 s before its first rollout server, and said nowhere
+    on what (Ray's lines carry no time)."""
+    for raw in iter(stream.readline, b""):
+        log.write(f"[{time.monotonic() - began:7.1f} s] {raw.decode(errors='replace')}")
+        log.flush()
+
+
+#: a line of one of Ray's processes, as Ray prefixes it: "(WorkerDict pid=2621) ..."
+RAY_PROCESS = re.compile(r"^\[ *([0-9.]+) s\] (?:\x1b\[[0-9;]*m)?\((\w+) pid=(\d+)")
+
+
+def first_seen(log: str) -> dict:
+    """Seconds into the job at which each of Ray's processes first wrote a line, by
+    "name pid" (the task runner, every training worker, every rollout server)."""
+    seen = {}
+    for line in log.splitlines():
+        m = RAY_PROCESS.match(line)
+        if m:
+            seen.setdefault(f"{m.group(2)} {m.group(3)}", float(m.group(1)))
+    return seen
 
 
 def run(out: str, name: str, fixture: str, amem: bool, share: float, steps: int,
@@ -211,8 +238,11 @@ def run(out: str, name: str, fixture: str, amem: bool, share: float, steps: int,
     env = dict(environment(), VERL_FILE_LOGGER_PATH=metrics)
     began = time.monotonic()
     with open(os.path.join(folder, "log.txt"), "w") as log:
-        proc = subprocess.Popen(command, cwd=folder, env=env, stdout=log,
+        proc = subprocess.Popen(command, cwd=folder, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, start_new_session=True)
+        copier = threading.Thread(target=copy_stamped, args=(proc.stdout, log, began),
+                                  daemon=True)
+        copier.start()
         try:
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -226,6 +256,7 @@ def run(out: str, name: str, fixture: str, amem: bool, share: float, steps: int,
             # script on PATH
             subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"],
                            capture_output=True)
+            copier.join(timeout=30)
     with open(os.path.join(folder, "log.txt"), errors="replace") as f:
         text = f.read()
     result = record(name, amem, share, command, rc, time.monotonic() - began, text, metrics)
