@@ -257,3 +257,12 @@ def test_the_bench_profiles_one_more_cycle_for_suspects(bench):
     suspects = report["caller_progress"]["suspects"]
     assert set(suspects) == {"begin", "end"}
     assert all(isinstance(s["calls"], list) for s in suspects.values())
+
+
+def test_the_report_says_which_commit_and_machine_made_it(bench):
+    _, report = bench
+    from amem_callbacks.tools import provenance
+
+    assert report["commit"] == provenance.commit()  # this checkout's (None in an export)
+    machine = report["machine"]
+    assert machine["torch"] and machine["python"] and machine["card"] is None  # a dry run

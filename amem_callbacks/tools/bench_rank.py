@@ -27,6 +27,7 @@ from .bench_backup import backup_cycles
 from .bench_stages import ROLES, Stages, plan
 from .launch import free_port, gather_ints, local_device
 from .pairs import interleaved
+from . import provenance
 from .progress import transition_progress, transition_suspects
 
 
@@ -366,6 +367,8 @@ def run_rank(args, rank: int, world: int, use_cuda: bool) -> dict:
     result["backend"] = backend
     result["torch_backend"] = torch_backend
     result["torch_backend_class"] = _class_of(dist.group.WORLD) if use_cuda else None
+    # from a rank: the process that loaded the NCCL the figures are of
+    result["commit"], result["machine"] = provenance.commit(), provenance.machine(gpu=use_cuda)
     dist.barrier(group=loop.sync)
     dist.destroy_process_group()
     return result

@@ -134,6 +134,7 @@ def summarise(raw: dict, args, world: int, dry_run: bool) -> dict:
         "dry_run": dry_run, "world": world, "backend": raw["backend"],
         "torch_backend": raw.get("torch_backend"), "torch_backend_class": raw.get(
             "torch_backend_class"), "torch": _torch_version(),
+        "commit": raw.get("commit"), "machine": raw.get("machine"),
         "config": {"full": bool(getattr(args, "full", False)), "groups": args.groups,
                    "steps": args.steps, "rollout_s": args.rollout_s, "train_s": args.train_s,
                    "grad_mib": args.grad_mib, "guard_calls": args.guard_calls,

@@ -350,32 +350,11 @@ def process_device_bytes():
 
 
 def run_commit(root: str = None):
-    """The commit a result was made at: ``AMEM_COMMIT`` where the caller says it (the
-    GPU machine's copy of the tree can carry the git metadata of an earlier commit
-    than its files: measured, a run of 2752ac2's files read cf62915 there), else
-    ``git rev-parse HEAD`` of the tree, else, for an exported copy
-    without .git (``git archive``), a ``COMMIT`` file written at export; None if
-    none says."""
-    import subprocess
+    """The commit a result was made at (tools/provenance.commit), of this tree by default."""
+    from amem_callbacks.tools.provenance import commit
 
-    if os.environ.get("AMEM_COMMIT"):
-        return os.environ["AMEM_COMMIT"]
-
-    root = root or os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    try:  # only a checkout whose top is this tree: an export inside another checkout
-        top = subprocess.run(["git", "-C", root, "rev-parse", "--show-toplevel", "HEAD"],
-                             capture_output=True, text=True, timeout=10)  # (measured: a stale
-        lines = top.stdout.split()  # commit of the copy around it) says nothing of this one
-        if top.returncode == 0 and len(lines) == 2 and \
-                os.path.realpath(lines[0]) == os.path.realpath(root):
-            return lines[1]
-    except (OSError, subprocess.SubprocessError):
-        pass
-    try:
-        with open(os.path.join(root, "COMMIT")) as f:
-            return f.read().strip() or None
-    except OSError:
-        return None
+    return commit(root or os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))))
 
 
 def unheld_bytes(sync=None) -> tuple:
@@ -484,22 +463,8 @@ def commit() -> str:
 
 
 def machine() -> dict:
-    """Card, driver, torch and the NCCL loaded (the library's own version), for a record."""
-    import platform
-    import subprocess
+    """Card, driver, torch and the NCCL in use (tools/provenance.machine): in CPU mode
+    the fake NCCL's library and no card."""
+    from amem_callbacks.tools.provenance import machine as record_machine
 
-    import torch
-
-    lib = nccl_library()
-    out = {"torch": torch.__version__, "torch_cuda": torch.version.cuda,
-           "python": platform.python_version(),
-           "nccl_loaded": f"{lib.version_str} ({lib.path})" if lib else None}
-    if ON_CPU or not torch.cuda.is_available():  # the CPU mode, or a simulation on a CPU
-        return {**out, "card": None, "driver": None}
-    try:
-        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                capture_output=True, text=True, timeout=20).stdout.split()[0]
-    except (OSError, subprocess.SubprocessError, IndexError):
-        driver = None
-    return {**out, "card": torch.cuda.get_device_name(), "driver": driver,
-            "gpus_visible": torch.cuda.device_count()}
+    return record_machine(nccl_library(), gpu=not ON_CPU)
