@@ -252,8 +252,6 @@ class StandInLLM:
         self.sleeping: set = set()
         self.loaded = 0
         log = logging.getLogger("vllm.stand_in")
-        import torch
-
         free = self.memory_snapshot()
         requested = int(gpu_memory_utilization * self.TOTAL)
         if free < requested:

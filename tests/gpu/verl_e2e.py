@@ -38,7 +38,6 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from experiments.gpu_runs import load_json  # noqa: E402
 
 #: vLLM sizes each engine's KV cache from this many bytes instead of profiling: the two
 #: engines start at once on one card, and vLLM's profiler fails when the other's
