@@ -82,6 +82,7 @@ def test_a_runs_record_holds_every_step_and_the_amem_figures(tmp_path):
     assert got["ok"] and got["steps"] == 3 and got["step_s"] == [3.0, 4.0, 5.0]
     assert got["amem_keys"] == ["amem/begin/groups_suspended", "amem/host_backup/reused"]
     assert got["amem_last"]["amem/host_backup/reused"] == 640 and not got["oom"]
+    assert got["commit"] and {"torch", "card", "nccl_loaded"} <= set(got["machine"])
     failed = e2e.record("base-0", False, 0.3, ["x"], 1, 5.0,
                         "ValueError: Free memory on device (10.1/79.2 GiB) on startup is less "
                         "than desired GPU memory utilization", str(tmp_path / "none.jsonl"))

@@ -187,6 +187,7 @@ def steps_of(metrics_path: str) -> list:
 
 def record(name: str, amem: bool, share: float, command: list, rc, seconds: float,
            log: str, metrics_path: str) -> dict:
+    from amem_callbacks.tools.provenance import machine
     from tests.gpu.common import run_commit
 
     rows = steps_of(metrics_path)
@@ -194,7 +195,8 @@ def record(name: str, amem: bool, share: float, command: list, rc, seconds: floa
     amem_keys = sorted({k for r in rows for k in r["data"] if k.startswith("amem/")})
     return {"name": name, "amem": amem, "share": share, "rc": rc, "seconds": seconds,
             "ok": rc == 0 and bool(rows), "oom": _oom(log), "command": " ".join(command),
-            "commit": run_commit(), "steps": len(rows),
+            # read after the job: the driver holds no CUDA context while it runs
+            "commit": run_commit(), "machine": machine(), "steps": len(rows),
             "step_s": pick("timing_s/step"), "gen_s": pick("timing_s/gen"),
             "pg_loss": pick("actor/pg_loss"), "amem_keys": amem_keys,
             "amem_last": {k: rows[-1]["data"][k] for k in amem_keys} if rows else {},
