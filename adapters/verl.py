@@ -4,6 +4,7 @@ and the driver's hooks, installed when verl imports this module (docs/verl.md)."
 from __future__ import annotations
 
 import asyncio
+import collections
 import inspect
 import threading
 from typing import Optional
@@ -60,6 +61,9 @@ class WorkerSession(SessionViews):
         self.session = RolloutSession(policy)
         self.gpu_memory_utilization = gpu_memory_utilization  # the rollout's vLLM/SGLang share
         self._lock = threading.Lock()
+        # Where each suspend and end happened, for verl's tracker: a run's log then shows
+        # that they came at the seams meant (docs/verl.md), not only that they came.
+        self.seams: collections.Counter = collections.Counter()
 
     @property
     def reports(self) -> dict:
@@ -72,6 +76,8 @@ class WorkerSession(SessionViews):
         replica's leader wakes the KV cache on all of the replica's GPUs, and with
         ``keep: [world]`` no suspended group need contain its peers."""
         with self._lock:
+            self.seams["suspends_before_kv_cache" if kv_cache_next
+                       else "suspends_without_kv_cache"] += 1
             report = self.session.start("update_weights", need_bytes=None)
             self.session.tell_headroom("actor_rollout_ref.rollout.gpu_memory_utilization",
                                        self.gpu_memory_utilization, report)
@@ -85,15 +91,26 @@ class WorkerSession(SessionViews):
     def rollout_ended(self) -> bool:
         """The driver says rollout is over: start resuming in the background."""
         with self._lock:
-            return self.session.stop("sleep_replicas (early)", guarded_until_settle=True) \
+            ended = self.session.stop("sleep_replicas (early)", guarded_until_settle=True) \
                 is not None
+            self.seams["ends_at_sleep_replicas"] += ended
+            return ended
 
     def resume(self) -> None:
         """End the phase (unless done) and wait until every group is back: the next
         call may run collectives the guard cannot see (DTensor ``full_tensor``)."""
         with self._lock:
-            self.session.stop("next training call", guarded_until_settle=True)
+            ended = self.session.stop("next training call", guarded_until_settle=True)
+            self.seams["ends_at_training_call"] += ended is not None
         self.session.settle()
+
+    def metrics(self, prefix: str = "amem/") -> dict:
+        """The session's figures and, beside them, how often each seam was taken
+        (``amem/verl/...``)."""
+        out = super().metrics(prefix)
+        if out:
+            out.update({f"{prefix}verl/{name}": n for name, n in sorted(self.seams.items())})
+        return out
 
 
 _session: Optional[WorkerSession] = None

@@ -178,6 +178,12 @@ def test_fsdp_suspends_after_the_handoff_before_the_kv_cache_and_resumes_when_ro
         assert log1["amem/begin/groups_suspended"] == len(ALL)
         assert log1["amem/end/groups_resumed"] == len(ALL)
         assert (log1["amem/total/begins"], log2["amem/total/begins"]) == (2, 3)
+        # where they came, in verl's own tracking: every suspend right before the KV
+        # cache, every end at the driver's sleep_replicas, none left to a training call
+        assert log2["amem/verl/suspends_before_kv_cache"] == 3
+        assert log2["amem/verl/ends_at_sleep_replicas"] == 2
+        assert log2["amem/verl/ends_at_training_call"] == 0
+        assert "amem/verl/suspends_without_kv_cache" not in log2
         assert log2["amem/begin/nccl_bytes"] == len(ALL) * 480 * 2**20
 
 
@@ -205,6 +211,9 @@ def test_megatron_without_kv_cache_release_suspends_at_the_end_of_the_update():
         assert counters["amem/total/begins"] == 3 and counters["amem/total/ends"] == 2
         assert counters["amem/total/auto_resumes"] == 0 and counters["amem/total/failures"] == 0
         assert res["driver_calls"] == ["amem_rollout_ended", "amem_metrics", "amem_metrics"]
+        seams = {k: v for k, v in res["session"]["metrics"].items() if k.startswith("amem/verl/")}
+        assert seams == {"amem/verl/suspends_without_kv_cache": 3,
+                         "amem/verl/ends_at_training_call": 2}
 
 
 def test_enable_false_leaves_verl_untouched():

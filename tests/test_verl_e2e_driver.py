@@ -126,3 +126,49 @@ def test_first_seen_reads_each_ray_process_once_in_the_stamped_log():
            "[  140.7 s] (vLLMHttpServer pid=11) ['serve',\n")
     assert e2e.first_seen(log) == {"TaskRunnerV1 7": 3.5, "WorkerDict 9": 60.2,
                                    "vLLMHttpServer 11": 140.7}
+
+
+def _write_run(out, name, amem, losses, last=None, ok=True):
+    folder = out / name
+    folder.mkdir()
+    (folder / "record.json").write_text(json.dumps({
+        "name": name, "amem": amem, "ok": ok, "steps": len(losses), "pg_loss": losses,
+        "amem_keys": sorted(last or {}), "amem_last": last or {},
+        "amem_begins": [s + 1 for s in range(len(losses))] if amem else [None] * len(losses)}))
+
+
+def _amem_last(**change):
+    figures = {"amem/total/begins": 21, "amem/total/ends": 20, "amem/total/group_suspends": 42,
+               "amem/total/auto_resumes": 0, "amem/total/failures": 0,
+               "amem/verl/suspends_before_kv_cache": 21, "amem/verl/ends_at_sleep_replicas": 20,
+               "amem/begin/nccl_bytes": 300 << 20, "amem/begin/gpu_wide_freed_bytes": 580 << 20}
+    figures.update(change)
+    return figures
+
+
+def test_verify_reads_item_2_from_the_records_and_names_each_check_that_fails(tmp_path):
+    steps = 20
+    _write_run(tmp_path, "base-0", False, [0.10] * steps)
+    _write_run(tmp_path, "base-1", False, [0.14] * steps)
+    _write_run(tmp_path, "amem-0", True, [0.12] * steps, _amem_last())
+    got = e2e.verify(str(tmp_path), steps)
+    assert got["ok"], got["checks"]
+    assert got["figures"]["amem-0"]["loss_gap_between_runs_without"] == [pytest.approx(0.04)]
+    # each seam missed, and the losses apart, fail their own check and only it
+    for change, check in ((dict(**{"amem/verl/ends_at_training_call": 3}), "ended_at_sleep_replicas"),
+                          (dict(**{"amem/verl/suspends_before_kv_cache": 0}),
+                           "suspended_before_every_kv_wake_up"),
+                          (dict(**{"amem/total/auto_resumes": 1}), "no_guard_resume"),
+                          (dict(**{"amem/begin/gpu_wide_freed_bytes": 10 << 20}),
+                           "memory_freed_before_kv")):
+        (tmp_path / "amem-0" / "record.json").unlink()
+        (tmp_path / "amem-0").rmdir()
+        _write_run(tmp_path, "amem-0", True, [0.12] * steps, _amem_last(**change))
+        got = e2e.verify(str(tmp_path), steps)
+        failed = [k for k, v in got["checks"]["amem-0"].items() if not v]
+        assert failed == [check] and not got["ok"]
+    _write_run(tmp_path, "amem-1", True, [0.5] * steps, _amem_last())
+    assert not e2e.verify(str(tmp_path), steps)["checks"]["amem-1"]["losses_within_runs_without"]
+    # one run without the package is no yardstick for the losses
+    (tmp_path / "base-1" / "record.json").unlink()
+    assert not e2e.verify(str(tmp_path), steps)["ok"]

@@ -34,6 +34,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
@@ -200,6 +201,7 @@ def record(name: str, amem: bool, share: float, command: list, rc, seconds: floa
             "step_s": pick("timing_s/step"), "gen_s": pick("timing_s/gen"),
             "pg_loss": pick("actor/pg_loss"), "amem_keys": amem_keys,
             "amem_last": {k: rows[-1]["data"][k] for k in amem_keys} if rows else {},
+            "amem_begins": pick("amem/total/begins"),
             "first_seen_s": first_seen(log),
             "tail": log[-3000:]}
 
@@ -266,6 +268,58 @@ def run(out: str, name: str, fixture: str, amem: bool, share: float, steps: int,
     return result
 
 
+def _mean_gap(a: list, b: list) -> Optional[float]:
+    pairs = [(x, y) for x, y in zip(a, b) if x is not None and y is not None]
+    return sum(abs(x - y) for x, y in pairs) / len(pairs) if pairs else None
+
+
+def verify(out: str, steps: int = 20) -> dict:
+    """Issue 62's item 2, read from the records of the runs in ``out`` (record.json of
+    each): every check by name, true or false, with the figures it read."""
+    runs = {}
+    for name in sorted(os.listdir(out)):
+        path = os.path.join(out, name, "record.json")
+        if os.path.isfile(path):
+            with open(path) as f:
+                runs[name] = json.load(f)
+    base = [r for r in runs.values() if not r["amem"] and r["ok"]]
+    checks, figures = {}, {}
+    for name, r in runs.items():
+        if not r["amem"]:
+            continue
+        last = r.get("amem_last", {})
+        get = lambda key: last.get(key, 0)  # noqa: E731 (an absent count is none)
+        begins = get("amem/total/begins")
+        checks[name] = c = {
+            "ran_every_step": r["ok"] and r["steps"] >= steps,
+            # amem_metrics went through the worker group into verl's Tracking.log
+            "amem_figures_in_tracking": bool(r.get("amem_keys")),
+            "a_begin_every_step": all(b is not None for b in r.get("amem_begins", [None])),
+            "suspended_before_every_kv_wake_up":
+                begins >= steps and get("amem/verl/suspends_before_kv_cache") == begins,
+            "groups_suspended": get("amem/total/group_suspends") > 0,
+            # amem_rollout_ended, dispatched by the driver after sleep_replicas
+            "ended_at_sleep_replicas": get("amem/verl/ends_at_sleep_replicas")
+            >= get("amem/total/ends") > 0 and get("amem/verl/ends_at_training_call") == 0,
+            "no_guard_resume": get("amem/total/auto_resumes") == 0,
+            "no_failure": get("amem/total/failures") == 0,
+            # the free memory the KV wake-up found grew by at least this rank's suspend
+            "memory_freed_before_kv": get("amem/begin/nccl_bytes") > 0 and max(
+                get("amem/begin/gpu_wide_freed_bytes"), get("amem/begin/device_freed_bytes"))
+            >= 0.9 * get("amem/begin/nccl_bytes"),
+        }
+        gaps = [_mean_gap(r["pg_loss"], b["pg_loss"]) for b in base]
+        twins = [_mean_gap(a["pg_loss"], b["pg_loss"]) for i, a in enumerate(base)
+                 for b in base[i + 1:]]
+        gaps, twins = [g for g in gaps if g is not None], [t for t in twins if t is not None]
+        figures[name] = {"loss_gap_to_runs_without": gaps, "loss_gap_between_runs_without": twins,
+                         "begins": begins, "nccl_bytes": get("amem/begin/nccl_bytes")}
+        # within what two runs without the package differ by (needs two of them)
+        c["losses_within_runs_without"] = bool(gaps and twins) and max(gaps) <= 2 * max(twins)
+    return {"checks": checks, "figures": figures,
+            "ok": bool(checks) and all(all(c.values()) for c in checks.values())}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -274,6 +328,9 @@ def main(argv=None) -> int:
     p = sub.add_parser("check")
     p.add_argument("folder")
     p.add_argument("--amem", action="store_true")
+    p = sub.add_parser("verify")
+    p.add_argument("out")
+    p.add_argument("--steps", type=int, default=20)
     p = sub.add_parser("run")
     p.add_argument("out")
     p.add_argument("name")
@@ -285,6 +342,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.command == "fixture":
         print(json.dumps(make_fixture(args.folder)))
+    elif args.command == "verify":
+        result = verify(args.out, args.steps)
+        print(json.dumps(result, indent=1))
+        return 0 if result["ok"] else 1
     elif args.command == "check":
         config, rollout = compose(overrides(args.folder, args.amem))
         print(json.dumps({"rollout": rollout.name, "tp": rollout.tensor_model_parallel_size,
