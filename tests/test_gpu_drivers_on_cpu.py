@@ -188,6 +188,9 @@ def start_all(names, tmp: str) -> dict:
         "suspend_stall": lambda out: Run("suspend_stall", [gpu_script("suspend_stall_gpu.py"),
                                                            os.path.join(out, "stall.json"), "1"],
                                          out, ranks=2),
+        "pin_paths": lambda out: Run("pin_paths", [gpu_script("pin_paths_gpu.py"),
+                                                   os.path.join(out, "pin.json"), "0.02", "4",
+                                                   "1"], out),
         # 4 ranks (TP 2 x PP 2, DP groups of one) rather than the GPU run's 8: the
         # same lines of the package, half the processes on two cores
         "multinode": lambda out: Run("multinode", [gpu_script("multinode_gpu.py"),
@@ -305,6 +308,24 @@ def test_suspend_stall_measures_every_order_on_the_fake_nccl(runs):
         assert all(summary[m]["transition_s"] > 0
                    for m in ("overlapped", "serial", "pin_only", "alloc_overlapped", "held"))
         assert_provenance(result, "tests/gpu/suspend_stall_gpu.py")
+
+
+# --- pin_paths_gpu.py -----------------------------------------------------------
+@needs("pin_paths")
+def test_pin_paths_times_every_way_of_pinning_beside_the_work(runs):
+    run = runs["pin_paths"]
+    run.passed()
+    result = run.json("pin.json")
+    assert result["on_cpu"] and result["steps"] > 0 and result["piece_mib"] == 4
+    assert set(result["modes"]) == {"host_alloc", "register", "register_huge"}
+    for mode, figures in result["modes"].items():
+        parts = figures["seconds_per_gib"]
+        assert set(parts) == {"populate", "driver_pin", "driver_unpin", "unmap"}
+        # every mode got its pages (CPU: the CUDA calls are left out, their time ~0)
+        assert parts["populate"] > 0 and figures["work_vs_baseline"] > 0, mode
+    # the baseline measured first and last, one round of each mode between
+    assert len(result["raw"]["None"]) == 2 and len(result["raw"]["register"]) == 1
+    assert_provenance(result, "tests/gpu/pin_paths_gpu.py")
 
 
 # --- host_backup_gpu.py -------------------------------------------------------
