@@ -312,19 +312,25 @@ def test_suspend_stall_measures_every_order_on_the_fake_nccl(runs):
 
 # --- pin_paths_gpu.py -----------------------------------------------------------
 @needs("pin_paths")
-def test_pin_paths_times_every_way_of_pinning_beside_the_work(runs):
+def test_pin_paths_times_a_cycle_through_every_kind_of_host_block_beside_the_work(runs):
     run = runs["pin_paths"]
     run.passed()
     result = run.json("pin.json")
     assert result["on_cpu"] and result["steps"] > 0 and result["piece_mib"] == 4
-    assert set(result["modes"]) == {"host_alloc", "register", "register_huge"}
+    assert set(result["modes"]) == {"pinned_fresh", "pinned_kept", "registered_fresh",
+                                    "pageable_fresh", "pageable_kept"}
     for mode, figures in result["modes"].items():
         parts = figures["seconds_per_gib"]
-        assert set(parts) == {"populate", "driver_pin", "driver_unpin", "unmap"}
-        # every mode got its pages (CPU: the CUDA calls are left out, their time ~0)
-        assert parts["populate"] > 0 and figures["work_vs_baseline"] > 0, mode
-    # the baseline measured first and last, one round of each mode between
-    assert len(result["raw"]["None"]) == 2 and len(result["raw"]["register"]) == 1
+        assert set(parts) == {"get", "copy_out", "copy_in", "release"}
+        assert parts["copy_out"] > 0 and parts["copy_in"] > 0, mode  # every piece copied
+        # blocks got beforehand are not timed; fresh ones are got and released in the cycle
+        kept = mode.endswith("_kept")
+        assert (parts["get"] == 0 and parts["release"] == 0) == kept, (mode, parts)
+        assert figures["cycle_s_per_gib"] >= sum(parts.values()) * 0.99
+        assert figures["work_rate_vs_baseline"] > 0 and figures["work_lost_s_per_gib"] >= 0
+    # the baseline first and last, one round of each mode between, the work beside each
+    assert len(result["raw"]["None"]) == 2 and len(result["raw"]["pageable_kept"]) == 1
+    assert all(r["steps"] >= 1 for r in result["raw"]["pinned_fresh"])
     assert_provenance(result, "tests/gpu/pin_paths_gpu.py")
 
 
