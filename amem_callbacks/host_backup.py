@@ -16,6 +16,11 @@ they first run (the TRL callback's constructor, verl's ``init_model``, Megatron'
 ``AMEM_HOST_BACKUP=0`` (or ``OffloadOptions(reuse_host_backup=False)``) turns
 it off. Kept bytes are bounded by the most one begin suspended on this rank,
 released by ``policy.close()`` and at exit.
+
+An experiment, not a setting (``AMEM_HOST_BACKUP_BLOCKS=pageable``): new backups made
+of plain pages rather than pinned ones, for the NCCL releases read to use a backup only
+as a copy's host side. Nothing then pins, so nothing stalls the GPU's work, but each
+copy is staged by the driver; tests/gpu/pin_paths_gpu.py measures whether that pays.
 """
 
 from __future__ import annotations
@@ -32,12 +37,15 @@ from typing import Optional
 
 #: ``AMEM_HOST_BACKUP=0`` in the environment: never install the hook.
 ENV_SWITCH = "AMEM_HOST_BACKUP"
+#: ``AMEM_HOST_BACKUP_BLOCKS=pageable``: the experiment above (anything else: pinned)
+ENV_BLOCKS = "AMEM_HOST_BACKUP_BLOCKS"
 SUSPEND, RESUME = 0, 1
 _STAT_FIELDS = ("kept_bytes", "kept_blocks", "reused", "reused_bytes", "pinned_new",
                 "pinned_new_bytes", "unpinned", "unpinned_bytes", "pin_ns", "unpin_ns",
                 "lookups", "unknown", "alloc_wrapped", "free_wrapped", "limit_bytes",
                 "reuse_on", "suspend_windows", "resume_windows", "zero_skipped",
-                "zero_skipped_bytes")
+                "zero_skipped_bytes", "pageable_new", "pageable_new_bytes", "populate_ns",
+                "unmapped", "unmapped_bytes", "pageable_on")
 #: NCCL releases whose suspend was read to zero each backup and copy over all of it
 #: at once, on one thread (src/mem_manager.cc, ncclCudaHostCalloc then cudaMemcpy of the
 #: same size): only there is the zeroing of a reused block left out.
@@ -82,7 +90,7 @@ def _load():
         lib.amem_hb_install.argtypes = (ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
                                         ctypes.c_size_t)
         lib.amem_hb_install.restype = ctypes.c_int
-        for name in ("amem_hb_enter", "amem_hb_leave"):
+        for name in ("amem_hb_enter", "amem_hb_leave", "amem_hb_set_pageable"):
             getattr(lib, name).argtypes = (ctypes.c_int,)
             getattr(lib, name).restype = None
         for name, args in (("amem_hb_set_limit", (ctypes.c_uint64,)),
@@ -144,7 +152,13 @@ def _install(nccl_path: Optional[str]) -> HookState:
     code = lib.amem_hb_install(nccl_path.encode(), int(skip_zeroing), why, len(why))
     if code < 0:
         return HookState(False, why.value.decode(errors="replace"), nccl_path)
+    # pageable blocks only where a backup was read to be a copy's host side alone
+    lib.amem_hb_set_pageable(int(skip_zeroing and pageable_asked()))
     return HookState(True, "", nccl_path)
+
+
+def pageable_asked() -> bool:
+    return os.environ.get(ENV_BLOCKS, "").strip().lower() == "pageable"
 
 
 _waiting_for_torch = False
@@ -243,7 +257,7 @@ def metrics(prefix: str = "amem/") -> dict:
     if figures:
         p = prefix + "host_backup/"
         for name in ("kept_bytes", "reused", "reused_bytes", "pinned_new", "pinned_new_bytes",
-                     "unpinned", "limit_bytes", "zero_skipped"):
+                     "unpinned", "limit_bytes", "zero_skipped", "pageable_new"):
             out[p + name] = figures[name]
         out[p + "pin_seconds"] = figures["pin_ns"] / 1e9
         out[p + "unpin_seconds"] = figures["unpin_ns"] / 1e9

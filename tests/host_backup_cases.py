@@ -69,6 +69,28 @@ def reuse(folder):
             "active": host_backup.active()}
 
 
+def pageable(folder, version=None):
+    """AMEM_HOST_BACKUP_BLOCKS=pageable: the first cycle's backups are plain pages (the
+    driver pins nothing), kept and reused as pinned ones are; released by unmapping.
+    ``version``: an NCCL release not read, where the experiment is refused."""
+    os.environ[host_backup.ENV_BLOCKS] = "pageable"
+    if version:
+        os.environ["FAKE_NCCL_VERSION"] = version
+    fake, driver = _setup(folder)
+    host_backup.install(fake.lib._name)
+    comm = _comm(fake)
+    host_backup.bound(NBYTES)
+    exact = [_cycle(fake, comm, 90 + i) for i in range(4)]
+    before_release = _figures(driver)
+    released = host_backup.release()
+    return {"exact": exact, "before_release": before_release, "released": released,
+            "after_release": _figures(driver), "metrics": host_backup.metrics()}
+
+
+def pageable_refused(folder):
+    return pageable(folder, version="22907")
+
+
 def zeroing_kept(folder):
     """An NCCL release outside the ones read (FAKE_NCCL_VERSION=2.29.7): reuse, but every
     zeroing runs."""
@@ -170,8 +192,9 @@ def scoped(folder):
             "stats": host_backup.stats()}
 
 
-CASES = {f.__name__: f for f in (reuse, zeroing_kept, bounded, outside_windows, reuse_off, switched_off, late,
-                                 refusals, scoped)}
+CASES = {f.__name__: f for f in (reuse, pageable, pageable_refused, zeroing_kept, bounded,
+                                 outside_windows, reuse_off, switched_off, late, refusals,
+                                 scoped)}
 
 if __name__ == "__main__":
     print(json.dumps(CASES[sys.argv[1]](sys.argv[2])))

@@ -17,6 +17,7 @@ from tests.fake_nccl import build_driver
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENTRIES, ENTRY_BYTES = 4, 1 << 16
+NBYTES_ALL = ENTRIES * ENTRY_BYTES
 
 pytestmark = pytest.mark.skipif(host_backup.library_path() is None,
                                 reason="the hook was not built (pip install -e . builds it)")
@@ -46,6 +47,33 @@ def test_the_first_suspend_pins_and_every_later_one_reuses(tmp_path):
     after = out["after_release"]
     assert after["pinned_bytes"] == 0 and after["unpins"] == ENTRIES and after["bad_frees"] == 0
     assert after["stats"]["kept_bytes"] == 0
+
+
+def test_pageable_backups_pin_nothing_and_are_kept_and_unmapped_like_pinned_ones(tmp_path):
+    out = case("pageable", tmp_path)
+    assert out["exact"] == [True] * 4
+    before = out["before_release"]
+    assert before["pins"] == 0 and before["pinned_bytes"] == 0  # the driver pinned nothing
+    stats = before["stats"]
+    assert stats["pageable_on"] == 1 and stats["pageable_new"] == ENTRIES
+    assert stats["pageable_new_bytes"] == NBYTES_ALL and stats["pinned_new"] == 0
+    assert stats["reused"] == 3 * ENTRIES and stats["kept_bytes"] == NBYTES_ALL
+    # a new mapping's pages are zero: NCCL's zeroing is left out of every cycle, the
+    # first's too, and the image still comes back exact
+    assert stats["zero_skipped"] == 4 * ENTRIES
+    assert out["released"] == NBYTES_ALL
+    after = out["after_release"]
+    assert after["stats"]["unmapped"] == ENTRIES and after["stats"]["unpinned"] == 0
+    assert after["stats"]["kept_bytes"] == 0 and after["bad_frees"] == 0
+    assert out["metrics"]["amem/host_backup/pageable_new"] == ENTRIES
+
+
+def test_pageable_backups_are_refused_for_an_nccl_not_read(tmp_path):
+    out = case("pageable_refused", tmp_path)
+    stats = out["before_release"]["stats"]
+    assert out["exact"] == [True] * 4
+    assert stats["pageable_on"] == 0 and stats["pageable_new"] == 0
+    assert out["before_release"]["pins"] == ENTRIES  # pinned, as NCCL asked
 
 
 def test_an_nccl_not_read_keeps_every_zeroing(tmp_path):

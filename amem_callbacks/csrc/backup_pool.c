@@ -9,10 +9,18 @@
  * unchanged (communicator set-up and teardown pin and free as before). NCCL
  * zeroes every block it gets (ncclCudaHostCalloc), so a reused block holds
  * nothing of its last use.
+ *
+ * An experiment, off unless asked (amem_hb_set_pageable, for NCCL releases whose
+ * suspend was read to use a backup only as cudaMemcpy's host side): a new backup
+ * made of plain pages instead of pinned ones. The kernel gets and zeroes them
+ * without the driver, so nothing stalls the process's GPU work, and cudaMemcpy
+ * stages the copy through the driver's own pinned buffers (slower than a copy into
+ * pinned memory). pin_paths_gpu.py measures whether that pays.
  */
 #define _GNU_SOURCE
 #include <pthread.h>
 #include <stdlib.h>
+#include <sys/mman.h>
 #include <string.h>
 #include <time.h>
 
@@ -23,6 +31,7 @@ typedef struct block {
   size_t size;
   unsigned int flags;
   CUcontext ctx;
+  int pageable; /* plain pages (mmap), not pinned: munmap frees it */
   struct block* next;
 } block;
 
@@ -33,7 +42,7 @@ static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static cu_host_alloc_fn real_alloc;
 static cu_free_host_fn real_free;
 static cu_ctx_current_fn real_ctx_current;
-static volatile int suspend_depth, resume_depth, reuse_on = 1;
+static volatile int suspend_depth, resume_depth, reuse_on = 1, pageable_on;
 static amem_hb_stats_t st; /* under lock, except the windows' counts */
 /* The kept block this thread's last allocation handed back (NULL when the last one
  * pinned anew): NCCL's next call on this thread zeroes it, then copies over it. */
@@ -110,6 +119,28 @@ CUresult amem_hb_host_alloc(void** pp, size_t size, unsigned int flags) {
     pthread_mutex_unlock(&lock);
   }
   fresh_ptr = NULL;
+  if (pageable_on && reuse_on && pp && __atomic_load_n(&suspend_depth, __ATOMIC_ACQUIRE) > 0) {
+    uint64_t start = now_ns();
+    void* p = mmap(NULL, size, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    uint64_t took = now_ns() - start;
+    block* b = p == MAP_FAILED ? NULL : malloc(sizeof *b);
+    if (b) {
+      *b = (block){p, size, flags, current_context(), 1, NULL};
+      pthread_mutex_lock(&lock);
+      live_add(b);
+      st.pageable_new++;
+      st.pageable_new_bytes += size;
+      st.populate_ns += took;
+      pthread_mutex_unlock(&lock);
+      *pp = p;
+      fresh_ptr = p; /* an anonymous mapping's pages are zero: NCCL's zeroing is not needed */
+      fresh_size = size;
+      return 0;
+    }
+    if (p != MAP_FAILED) munmap(p, size);
+    /* no pages or no record: pinned, as NCCL asked */
+  }
   uint64_t start = now_ns();
   CUresult result = real_alloc(pp, size, flags);
   uint64_t took = now_ns() - start;
@@ -120,7 +151,7 @@ CUresult amem_hb_host_alloc(void** pp, size_t size, unsigned int flags) {
   st.pinned_new_bytes += size;
   st.pin_ns += took;
   if (b) { /* untracked (no memory for the record): it is simply never kept */
-    *b = (block){*pp, size, flags, current_context(), NULL};
+    *b = (block){*pp, size, flags, current_context(), 0, NULL};
     live_add(b);
   }
   pthread_mutex_unlock(&lock);
@@ -139,6 +170,21 @@ static CUresult unpin(void* p, size_t size) {
   return result;
 }
 
+/* Free a block for good: unpin it, or unmap a pageable one. Takes the record. */
+static CUresult release_block(block* b, void* p, size_t size) {
+  if (b && b->pageable) {
+    free(b);
+    munmap(p, size);
+    pthread_mutex_lock(&lock);
+    st.unmapped++;
+    st.unmapped_bytes += size;
+    pthread_mutex_unlock(&lock);
+    return 0;
+  }
+  free(b);
+  return unpin(p, size);
+}
+
 CUresult amem_hb_free_host(void* p) {
   pthread_mutex_lock(&lock);
   block* b = p ? live_take(p) : NULL;
@@ -152,9 +198,7 @@ CUresult amem_hb_free_host(void* p) {
     return 0;
   }
   pthread_mutex_unlock(&lock);
-  size_t size = b ? b->size : 0;
-  free(b);
-  return unpin(p, size);
+  return release_block(b, p, b ? b->size : 0);
 }
 
 /* Installed in libnccl's memset slot only for the NCCL versions whose suspend was
@@ -185,9 +229,8 @@ static uint64_t trim(uint64_t keep) {
     }
     pthread_mutex_unlock(&lock);
     if (!b) return released;
-    unpin(b->ptr, b->size);
     released += b->size;
-    free(b);
+    release_block(b, b->ptr, b->size);
   }
 }
 
@@ -219,6 +262,9 @@ AMEM_EXPORT uint64_t amem_hb_set_reuse(int on) {
   return on ? 0 : trim(0);
 }
 
+/* Pageable new backups (1) or pinned ones, as NCCL asks (0, the default). */
+AMEM_EXPORT void amem_hb_set_pageable(int on) { pageable_on = on ? 1 : 0; }
+
 /* Unpin every kept block (policy close, exit); the bytes unpinned. */
 AMEM_EXPORT uint64_t amem_hb_release(void) { return trim(0); }
 
@@ -229,4 +275,5 @@ AMEM_EXPORT void amem_hb_stats(amem_hb_stats_t* out) {
   out->lookups = __atomic_load_n(&amem_hb_lookups, __ATOMIC_RELAXED);
   out->unknown = __atomic_load_n(&amem_hb_unknown, __ATOMIC_RELAXED);
   out->reuse_on = (uint64_t)reuse_on;
+  out->pageable_on = (uint64_t)pageable_on;
 }

@@ -54,6 +54,11 @@ typedef struct amem_hb_stats_t {
   uint64_t limit_bytes, reuse_on;
   uint64_t suspend_windows, resume_windows;/* windows opened so far */
   uint64_t zero_skipped, zero_skipped_bytes;/* zeroings of reused backups left out */
+  /* pageable blocks (an experiment, off by default: amem_hb_set_pageable) */
+  uint64_t pageable_new, pageable_new_bytes;/* new backups that were pageable, not pinned */
+  uint64_t populate_ns;                    /* time spent getting their pages */
+  uint64_t unmapped, unmapped_bytes;       /* pageable blocks really freed */
+  uint64_t pageable_on;
 } amem_hb_stats_t;
 
 #endif
