@@ -44,8 +44,9 @@ static cu_free_host_fn real_free;
 static cu_ctx_current_fn real_ctx_current;
 static volatile int suspend_depth, resume_depth, reuse_on = 1, pageable_on;
 static amem_hb_stats_t st; /* under lock, except the windows' counts */
-/* The kept block this thread's last allocation handed back (NULL when the last one
- * pinned anew): NCCL's next call on this thread zeroes it, then copies over it. */
+/* The kept block (or new pageable one) this thread's last allocation handed back
+ * (NULL when the last one pinned anew): NCCL's next call on this thread zeroes it,
+ * then copies over it. */
 static __thread void* fresh_ptr;
 static __thread size_t fresh_size;
 
