@@ -33,6 +33,7 @@ CPU check of this script (no card: the CUDA calls are left out, copies are memcp
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import mmap
@@ -164,7 +165,7 @@ def work_beside(mode, cudart, x, count, device_ptr, sizes) -> dict:
     kept = [get_block(kind, cudart, size) for size in sizes] if beforehand else []
 
     def run_cycle():
-        with torch.cuda.device(x.device) if x.is_cuda else _nothing():
+        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
             t = time.monotonic()
             out["parts"] = cycle(mode, cudart, device_ptr, sizes, kept)
             out["cycle_s"] = time.monotonic() - t
@@ -185,14 +186,6 @@ def work_beside(mode, cudart, x, count, device_ptr, sizes) -> dict:
     out.update(work_s=work_s, steps=len(steps), rate=len(steps) / work_s,
                step_s_max=max(e - b for b, e in steps))
     return out
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def main() -> None:

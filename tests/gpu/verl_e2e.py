@@ -283,6 +283,10 @@ def verify(out: str, steps: int = 20) -> dict:
             with open(path) as f:
                 runs[name] = json.load(f)
     base = [r for r in runs.values() if not r["amem"] and r["ok"]]
+    # what two runs without the package differ by: the losses' yardstick
+    twins = [_mean_gap(a["pg_loss"], b["pg_loss"]) for i, a in enumerate(base)
+             for b in base[i + 1:]]
+    twins = [t for t in twins if t is not None]
     checks, figures = {}, {}
     for name, r in runs.items():
         if not r["amem"]:
@@ -308,10 +312,7 @@ def verify(out: str, steps: int = 20) -> dict:
                 get("amem/begin/gpu_wide_freed_bytes"), get("amem/begin/device_freed_bytes"))
             >= 0.9 * get("amem/begin/nccl_bytes"),
         }
-        gaps = [_mean_gap(r["pg_loss"], b["pg_loss"]) for b in base]
-        twins = [_mean_gap(a["pg_loss"], b["pg_loss"]) for i, a in enumerate(base)
-                 for b in base[i + 1:]]
-        gaps, twins = [g for g in gaps if g is not None], [t for t in twins if t is not None]
+        gaps = [g for g in (_mean_gap(r["pg_loss"], b["pg_loss"]) for b in base) if g is not None]
         figures[name] = {"loss_gap_to_runs_without": gaps, "loss_gap_between_runs_without": twins,
                          "begins": begins, "nccl_bytes": get("amem/begin/nccl_bytes")}
         # within what two runs without the package differ by (needs two of them)
