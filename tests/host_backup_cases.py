@@ -51,12 +51,21 @@ class _nothing:
 
 
 def _figures(driver) -> dict:
-    return {"pins": driver.pins, "unpins": driver.unpins, "pinned_bytes": driver.pinned_bytes,
+    return {"pins": driver.pins, "unpins": driver.unpins, "registers": driver.registers,
+            "unregisters": driver.unregisters, "pinned_bytes": driver.pinned_bytes,
             "bad_frees": driver.bad_frees, "stats": host_backup.stats()}
 
 
-def reuse(folder):
-    """Installed before the runtime starts: the first cycle pins, later ones reuse."""
+def reuse(folder, blocks=None, version=None, register_fails=False):
+    """Installed before the runtime starts: the first cycle pins (by registration, by
+    default), later ones reuse. ``blocks``: AMEM_HOST_BACKUP_BLOCKS; ``version``: the
+    NCCL release the stand-in reports; ``register_fails``: the driver refuses it."""
+    if blocks:
+        os.environ[host_backup.ENV_BLOCKS] = blocks
+    if version:
+        os.environ["FAKE_NCCL_VERSION"] = version
+    if register_fails:
+        os.environ["FAKE_CUDA_REGISTER_FAILS"] = "1"
     fake, driver = _setup(folder)
     state = host_backup.install(fake.lib._name)
     comm = _comm(fake)
@@ -66,29 +75,38 @@ def reuse(folder):
     released = host_backup.release()
     return {"state": state.__dict__, "exact": exact, "before_release": before_release,
             "released": released, "after_release": _figures(driver),
-            "active": host_backup.active()}
+            "active": host_backup.active(), "metrics": host_backup.metrics()}
 
 
-def pageable(folder, version=None):
-    """AMEM_HOST_BACKUP_BLOCKS=pageable: the first cycle's backups are plain pages (the
-    driver pins nothing), kept and reused as pinned ones are; released by unmapping.
-    ``version``: an NCCL release not read, where the experiment is refused."""
+def allocated(folder):
+    """AMEM_HOST_BACKUP_BLOCKS=allocated: new blocks from NCCL's own cuMemHostAlloc."""
+    return reuse(folder, blocks="allocated")
+
+
+def registered_refused(folder):
+    """An NCCL release not read: new blocks pinned as NCCL asks, never registered."""
+    return reuse(folder, version="22907")
+
+
+def register_fails(folder):
+    """A driver that refuses the registration: NCCL's own pinning, and no second try."""
+    return reuse(folder, register_fails=True)
+
+
+def bad_blocks_value(folder):
+    """A bad AMEM_HOST_BACKUP_BLOCKS: the policy's start-up raises with what to write,
+    and an install reached another way refuses, with the same words."""
     os.environ[host_backup.ENV_BLOCKS] = "pageable"
-    if version:
-        os.environ["FAKE_NCCL_VERSION"] = version
-    fake, driver = _setup(folder)
-    host_backup.install(fake.lib._name)
-    comm = _comm(fake)
-    host_backup.bound(NBYTES)
-    exact = [_cycle(fake, comm, 90 + i) for i in range(4)]
-    before_release = _figures(driver)
-    released = host_backup.release()
-    return {"exact": exact, "before_release": before_release, "released": released,
-            "after_release": _figures(driver), "metrics": host_backup.metrics()}
+    fake, _driver = _setup(folder)
+    from amem_callbacks import OffloadOptions
 
-
-def pageable_refused(folder):
-    return pageable(folder, version="22907")
+    try:
+        host_backup.prepare(OffloadOptions(backend="nccl"))
+        raised = ""
+    except ValueError as bad:
+        raised = str(bad)
+    state = host_backup.install(fake.lib._name)
+    return {"raised": raised, "state": state.__dict__}
 
 
 def zeroing_kept(folder):
@@ -192,7 +210,8 @@ def scoped(folder):
             "stats": host_backup.stats()}
 
 
-CASES = {f.__name__: f for f in (reuse, pageable, pageable_refused, zeroing_kept, bounded,
+CASES = {f.__name__: f for f in (reuse, allocated, registered_refused, register_fails,
+                                 bad_blocks_value, zeroing_kept, bounded,
                                  outside_windows, reuse_off, switched_off, late, refusals,
                                  scoped)}
 

@@ -78,7 +78,7 @@ def _cycles(groups, fake, driver, policy, count: int) -> list:
             "exact": _holds(fake, value),
             "collectives_ok": all(allreduce_ok(g) for g in groups.values()),
             "driver_pins": driver.pins, "driver_unpins": driver.unpins,
-            "driver_pinned_bytes": driver.pinned_bytes,
+            "driver_registers": driver.registers, "driver_pinned_bytes": driver.pinned_bytes,
             "metrics": {k: v for k, v in policy.metrics(last=False).items()
                         if k.startswith("amem/host_backup/")},
         })
@@ -87,7 +87,8 @@ def _cycles(groups, fake, driver, policy, count: int) -> list:
 
 def scenario_keeps_backup(args):
     """Cycles with the hook installed before the communicators: the first suspend
-    pins, the later ones reuse, every resume is exact; close() unpins what is kept."""
+    pins (by registration), the later ones reuse, every resume is exact; close() unpins
+    what is kept."""
     groups, fake, driver, policy, log = _job(args)
     cycles = _cycles(groups, fake, driver, policy, args.get("cycles", 4))
     kept_before_close = host_backup.stats().get("kept_bytes", 0)

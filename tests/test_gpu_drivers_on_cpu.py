@@ -294,9 +294,10 @@ def test_suspend_stall_measures_every_order_on_the_fake_nccl(runs):
             "overlap_finishes_first", "work_stalls_during_suspend", "pinning_alone_stalls",
             "allocation_waits_for_suspend", "held_first_step_on_time"}
         assert result["suspended"] == ["world", "dp"] and result["pinned_bytes"] > 0
-        # one round of the seven modes (the command asks for 1), then the baseline again
+        # the process's first begin, then one round of the seven modes (the command asks
+        # for 1), then the baseline again
         assert [row["mode"] for row in result["rows"]] == [
-            "none", "overlapped", "serial", "pin_only", "alloc_none", "alloc_overlapped", "held",
+            "first", "none", "overlapped", "serial", "pin_only", "alloc_none", "alloc_overlapped", "held",
             "none"]
         held = next(row for row in result["rows"] if row["mode"] == "held")
         # held until the first step ended, rank r r * 0.3 s later (the steps go on), or
@@ -305,8 +306,11 @@ def test_suspend_stall_measures_every_order_on_the_fake_nccl(runs):
                                      held["work_s"]) - 0.01
         summary = result["summary"]
         assert summary["none"]["work_ratio"] == summary["alloc_none"]["work_ratio"] == 1.0
-        assert all(summary[m]["transition_s"] > 0
-                   for m in ("overlapped", "serial", "pin_only", "alloc_overlapped", "held"))
+        assert all(summary[m]["transition_s"] > 0 for m in (
+            "first", "overlapped", "serial", "pin_only", "alloc_overlapped", "held"))
+        assert summary["first"]["work_ratio"] > 0 and result["blocks"] == "registered"
+        first = result["rows"][0]
+        assert first["suspended"] == ["world", "dp"] and first["suspended_bytes"] > 0
         assert_provenance(result, "tests/gpu/suspend_stall_gpu.py")
 
 

@@ -31,49 +31,67 @@ def case(name: str, folder) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_the_first_suspend_pins_and_every_later_one_reuses(tmp_path):
+def test_the_first_suspend_pins_by_registering_and_every_later_one_reuses(tmp_path):
     out = case("reuse", tmp_path)
     assert out["state"]["installed"] and out["active"]
     assert out["exact"] == [True] * 5
     before = out["before_release"]
-    assert before["pins"] == ENTRIES and before["unpins"] == 0  # only the first cycle pinned
-    assert before["stats"]["reused"] == 4 * ENTRIES
-    # NCCL zeroes each backup, then copies over all of it: a reused block's zeroing is
-    # left out (the stand-in reports 2.32.3, a release whose suspend does exactly that);
-    # the image still comes back exact, and the stand-in's other memsets still ran
-    assert before["stats"]["zero_skipped"] == 4 * ENTRIES
-    assert before["stats"]["kept_bytes"] == before["pinned_bytes"] == ENTRIES * ENTRY_BYTES
-    assert out["released"] == ENTRIES * ENTRY_BYTES
-    after = out["after_release"]
-    assert after["pinned_bytes"] == 0 and after["unpins"] == ENTRIES and after["bad_frees"] == 0
-    assert after["stats"]["kept_bytes"] == 0
-
-
-def test_pageable_backups_pin_nothing_and_are_kept_and_unmapped_like_pinned_ones(tmp_path):
-    out = case("pageable", tmp_path)
-    assert out["exact"] == [True] * 4
-    before = out["before_release"]
-    assert before["pins"] == 0 and before["pinned_bytes"] == 0  # the driver pinned nothing
+    # only the first cycle pinned, by registering pages it mapped: nothing from
+    # cuMemHostAlloc (the stand-in reports 2.32.3, a release read)
+    assert before["registers"] == ENTRIES and before["pins"] == 0
+    assert before["unregisters"] == before["unpins"] == 0
     stats = before["stats"]
-    assert stats["pageable_on"] == 1 and stats["pageable_new"] == ENTRIES
-    assert stats["pageable_new_bytes"] == NBYTES_ALL and stats["pinned_new"] == 0
-    assert stats["reused"] == 3 * ENTRIES and stats["kept_bytes"] == NBYTES_ALL
-    # a new mapping's pages are zero: NCCL's zeroing is left out of every cycle, the
-    # first's too, and the image still comes back exact
-    assert stats["zero_skipped"] == 4 * ENTRIES
+    assert stats["registered_on"] == 1 and stats["register_failed"] == 0
+    assert stats["registered_new"] == stats["pinned_new"] == ENTRIES
+    assert stats["registered_new_bytes"] == NBYTES_ALL
+    assert stats["reused"] == 4 * ENTRIES
+    # NCCL zeroes each backup, then copies over all of it: the zeroing of a reused block
+    # and of a new mapping (its pages are zero) is left out; the image still comes back
+    # exact, and the stand-in's other memsets still ran
+    assert stats["zero_skipped"] == 5 * ENTRIES
+    assert stats["kept_bytes"] == before["pinned_bytes"] == NBYTES_ALL
     assert out["released"] == NBYTES_ALL
     after = out["after_release"]
-    assert after["stats"]["unmapped"] == ENTRIES and after["stats"]["unpinned"] == 0
-    assert after["stats"]["kept_bytes"] == 0 and after["bad_frees"] == 0
-    assert out["metrics"]["amem/host_backup/pageable_new"] == ENTRIES
+    # released by unregistering (and unmapping), never through cuMemFreeHost
+    assert after["pinned_bytes"] == 0 and after["unregisters"] == ENTRIES
+    assert after["unpins"] == 0 and after["bad_frees"] == 0
+    assert after["stats"]["kept_bytes"] == 0 and after["stats"]["unpinned"] == ENTRIES
+    assert out["metrics"]["amem/host_backup/registered_new"] == ENTRIES
 
 
-def test_pageable_backups_are_refused_for_an_nccl_not_read(tmp_path):
-    out = case("pageable_refused", tmp_path)
-    stats = out["before_release"]["stats"]
-    assert out["exact"] == [True] * 4
-    assert stats["pageable_on"] == 0 and stats["pageable_new"] == 0
-    assert out["before_release"]["pins"] == ENTRIES  # pinned, as NCCL asked
+def _pinned_as_nccl_asked(out, registered_on=0):
+    assert out["exact"] == [True] * 5 and out["active"]
+    before = out["before_release"]
+    assert before["pins"] == ENTRIES and before["registers"] == 0  # the first cycle only
+    stats = before["stats"]
+    assert stats["registered_on"] == registered_on and stats["registered_new"] == 0
+    assert stats["pinned_new"] == ENTRIES and stats["reused"] == 4 * ENTRIES
+    after = out["after_release"]
+    assert after["pinned_bytes"] == 0 and after["unpins"] == ENTRIES
+    assert after["unregisters"] == 0 and after["bad_frees"] == 0
+    return stats
+
+
+def test_allocated_blocks_are_nccls_own_cuMemHostAlloc(tmp_path):
+    stats = _pinned_as_nccl_asked(case("allocated", tmp_path))
+    assert stats["zero_skipped"] == 4 * ENTRIES  # only the reused blocks' zeroing
+
+
+def test_an_nccl_not_read_never_gets_registered_blocks(tmp_path):
+    stats = _pinned_as_nccl_asked(case("registered_refused", tmp_path))
+    assert stats["zero_skipped"] == 0
+
+
+def test_a_refused_registration_falls_back_to_nccls_pinning_once_for_all(tmp_path):
+    stats = _pinned_as_nccl_asked(case("register_fails", tmp_path))
+    assert stats["register_failed"] == 1  # tried once, then off
+
+
+def test_a_bad_blocks_value_fails_at_start_up_with_what_to_write(tmp_path):
+    out = case("bad_blocks_value", tmp_path)
+    assert "AMEM_HOST_BACKUP_BLOCKS='pageable'" in out["raised"]
+    assert "registered or allocated" in out["raised"]
+    assert not out["state"]["installed"] and out["state"]["why"] == out["raised"]
 
 
 def test_an_nccl_not_read_keeps_every_zeroing(tmp_path):
@@ -88,7 +106,8 @@ def test_kept_bytes_stay_within_the_bound(tmp_path):
     during = out["during"]
     assert during["stats"]["kept_bytes"] == 2 * ENTRY_BYTES  # two of four blocks kept
     assert during["stats"]["reused"] == 2 * 2  # cycles 2 and 3 reuse two each
-    assert during["pins"] == ENTRIES + 2 * 2
+    assert during["registers"] == ENTRIES + 2 * 2 and during["pins"] == 0
+    assert during["unregisters"] == 2 * 3 and during["bad_frees"] == 0  # two a resume
     assert out["after_lowering"]["stats"]["kept_bytes"] == 0
     assert out["after_lowering"]["pinned_bytes"] == 0
 
@@ -107,7 +126,9 @@ def test_reuse_off_pins_every_cycle_and_keeps_nothing(tmp_path):
     assert out["exact"] == [True] * 3
     figures = out["figures"]
     assert figures["stats"]["kept_bytes"] == 0 and figures["pinned_bytes"] == 0
-    assert figures["pins"] == 4 * ENTRIES  # the first cycle's and three more
+    # the first cycle registered; with reuse off, three cycles pinned as NCCL asks
+    assert figures["registers"] == figures["unregisters"] == ENTRIES
+    assert figures["pins"] == figures["unpins"] == 3 * ENTRIES
     assert "reuse_host_backup=False" in out["why"]
 
 
@@ -154,8 +175,8 @@ def test_a_policy_keeps_the_backup_from_one_phase_to_the_next(tmp_path):
         cycles = result["cycles"]
         assert [c["suspended"] for c in cycles] == [["dp", "ep", "world"]] * 4
         assert all(all(c["exact"].values()) and c["collectives_ok"] for c in cycles)
-        pins = [c["driver_pins"] for c in cycles]
-        assert pins[0] == 3 * 6 and pins == [pins[0]] * 4  # three comms of six entries, once
+        pinned = [c["driver_registers"] for c in cycles]  # three comms of six entries, once
+        assert pinned == [3 * 6] * 4 and [c["driver_pins"] for c in cycles] == [0] * 4
         reused = [c["metrics"]["amem/host_backup/reused"] for c in cycles]
         assert reused == [0, 18, 36, 54]
         assert cycles[-1]["metrics"]["amem/host_backup/active"] == 1

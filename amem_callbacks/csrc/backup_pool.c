@@ -10,12 +10,17 @@
  * zeroes every block it gets (ncclCudaHostCalloc), so a reused block holds
  * nothing of its last use.
  *
- * An experiment, off unless asked (amem_hb_set_pageable, for NCCL releases whose
- * suspend was read to use a backup only as cudaMemcpy's host side): a new backup
- * made of plain pages instead of pinned ones. The kernel gets and zeroes them
- * without the driver, so nothing stalls the process's GPU work, and cudaMemcpy
- * stages the copy through the driver's own pinned buffers (slower than a copy into
- * pinned memory). pin_paths_gpu.py measures whether that pays.
+ * A new block (the first cycle's, or one over the bound) is pinned by
+ * registration where amem_hb_set_registered is on (the NCCL releases whose suspend
+ * was read to use a backup only as a cudaMemcpy's host side): the kernel gets and
+ * zeroes the pages first (mmap, MAP_POPULATE: no driver call), then
+ * cuMemHostRegister pins them. Measured on an H100 (results/one_h100/pin_paths):
+ * cuMemHostAlloc takes 0.64 s/GiB and the process's GPU work runs at 6 % of its
+ * rate meanwhile; populating and registering take 0.40 s/GiB at 65 %. The block is
+ * then pinned like any other: kept, reused, and released by unregistering and
+ * unmapping it. A new mapping's pages are zero, so NCCL's zeroing of it is left out
+ * too. Where the driver refuses the registration, the block is NCCL's own
+ * cuMemHostAlloc, as asked, and registration is not tried again.
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -31,7 +36,7 @@ typedef struct block {
   size_t size;
   unsigned int flags;
   CUcontext ctx;
-  int pageable; /* plain pages (mmap), not pinned: munmap frees it */
+  int registered; /* our mapping, pinned by cuMemHostRegister: unregister, then munmap */
   struct block* next;
 } block;
 
@@ -42,9 +47,11 @@ static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static cu_host_alloc_fn real_alloc;
 static cu_free_host_fn real_free;
 static cu_ctx_current_fn real_ctx_current;
-static volatile int suspend_depth, resume_depth, reuse_on = 1, pageable_on;
+static cu_host_register_fn real_register;
+static cu_host_unregister_fn real_unregister;
+static volatile int suspend_depth, resume_depth, reuse_on = 1, register_on;
 static amem_hb_stats_t st; /* under lock, except the windows' counts */
-/* The kept block (or new pageable one) this thread's last allocation handed back
+/* The kept block (or new registered one) this thread's last allocation handed back
  * (NULL when the last one pinned anew): NCCL's next call on this thread zeroes it,
  * then copies over it. */
 static __thread void* fresh_ptr;
@@ -97,6 +104,48 @@ void* amem_hb_substitute(const char* symbol, void* real) {
   return real;
 }
 
+/* cuMemHostAlloc's flags the registration can honour: PORTABLE and DEVICEMAP have
+ * the same values in cuMemHostRegister's; WRITECOMBINED has no counterpart. */
+#define REGISTRABLE_FLAGS 0x3u
+
+/* A new block of kernel-zeroed pages pinned by registration (0), or nothing done
+ * (non-zero: the caller pins through the driver as NCCL asked). */
+static int register_new(void** pp, size_t size, unsigned int flags) {
+  if (flags & ~REGISTRABLE_FLAGS) return -1;
+  if (!real_register || !real_unregister) {
+    real_register = (cu_host_register_fn)amem_hb_driver_entry("cuMemHostRegister");
+    real_unregister = (cu_host_unregister_fn)amem_hb_driver_entry("cuMemHostUnregister");
+    if (!real_register || !real_unregister) { register_on = 0; return -1; }
+  }
+  block* b = malloc(sizeof *b);
+  if (!b) return -1;
+  uint64_t start = now_ns();
+  void* p = mmap(NULL, size, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+  CUresult result = p == MAP_FAILED ? -1 : real_register(p, size, flags);
+  uint64_t took = now_ns() - start;
+  if (result != 0) {
+    free(b);
+    if (p != MAP_FAILED) munmap(p, size);
+    __atomic_add_fetch(&st.register_failed, 1, __ATOMIC_RELAXED);
+    register_on = 0; /* the driver said no: NCCL's own pinning from here on */
+    return -1;
+  }
+  *b = (block){p, size, flags, current_context(), 1, NULL};
+  pthread_mutex_lock(&lock);
+  live_add(b);
+  st.pinned_new++;
+  st.pinned_new_bytes += size;
+  st.registered_new++;
+  st.registered_new_bytes += size;
+  st.pin_ns += took;
+  pthread_mutex_unlock(&lock);
+  *pp = p;
+  fresh_ptr = p; /* a new mapping's pages are zero: NCCL's zeroing is not needed */
+  fresh_size = size;
+  return 0;
+}
+
 CUresult amem_hb_host_alloc(void** pp, size_t size, unsigned int flags) {
   if (__atomic_load_n(&suspend_depth, __ATOMIC_ACQUIRE) > 0 && reuse_on && pp) {
     CUcontext ctx = current_context();
@@ -120,28 +169,9 @@ CUresult amem_hb_host_alloc(void** pp, size_t size, unsigned int flags) {
     pthread_mutex_unlock(&lock);
   }
   fresh_ptr = NULL;
-  if (pageable_on && reuse_on && pp && __atomic_load_n(&suspend_depth, __ATOMIC_ACQUIRE) > 0) {
-    uint64_t start = now_ns();
-    void* p = mmap(NULL, size, PROT_READ | PROT_WRITE,
-                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
-    uint64_t took = now_ns() - start;
-    block* b = p == MAP_FAILED ? NULL : malloc(sizeof *b);
-    if (b) {
-      *b = (block){p, size, flags, current_context(), 1, NULL};
-      pthread_mutex_lock(&lock);
-      live_add(b);
-      st.pageable_new++;
-      st.pageable_new_bytes += size;
-      st.populate_ns += took;
-      pthread_mutex_unlock(&lock);
-      *pp = p;
-      fresh_ptr = p; /* an anonymous mapping's pages are zero: NCCL's zeroing is not needed */
-      fresh_size = size;
-      return 0;
-    }
-    if (p != MAP_FAILED) munmap(p, size);
-    /* no pages or no record: pinned, as NCCL asked */
-  }
+  if (register_on && reuse_on && pp && __atomic_load_n(&suspend_depth, __ATOMIC_ACQUIRE) > 0 &&
+      register_new(pp, size, flags) == 0)
+    return 0;
   uint64_t start = now_ns();
   CUresult result = real_alloc(pp, size, flags);
   uint64_t took = now_ns() - start;
@@ -159,9 +189,19 @@ CUresult amem_hb_host_alloc(void** pp, size_t size, unsigned int flags) {
   return 0;
 }
 
-static CUresult unpin(void* p, size_t size) {
+/* Free a block for good: unpin it (a registered one: unregister and unmap), counted.
+ * Takes the record. */
+static CUresult release_block(block* b, void* p, size_t size) {
+  int registered = b && b->registered;
+  free(b);
   uint64_t start = now_ns();
-  CUresult result = real_free(p);
+  CUresult result;
+  if (registered) {
+    result = real_unregister(p);
+    munmap(p, size);
+  } else {
+    result = real_free(p);
+  }
   uint64_t took = now_ns() - start;
   pthread_mutex_lock(&lock);
   st.unpinned++;
@@ -169,21 +209,6 @@ static CUresult unpin(void* p, size_t size) {
   st.unpin_ns += took;
   pthread_mutex_unlock(&lock);
   return result;
-}
-
-/* Free a block for good: unpin it, or unmap a pageable one. Takes the record. */
-static CUresult release_block(block* b, void* p, size_t size) {
-  if (b && b->pageable) {
-    free(b);
-    munmap(p, size);
-    pthread_mutex_lock(&lock);
-    st.unmapped++;
-    st.unmapped_bytes += size;
-    pthread_mutex_unlock(&lock);
-    return 0;
-  }
-  free(b);
-  return unpin(p, size);
 }
 
 CUresult amem_hb_free_host(void* p) {
@@ -263,8 +288,9 @@ AMEM_EXPORT uint64_t amem_hb_set_reuse(int on) {
   return on ? 0 : trim(0);
 }
 
-/* Pageable new backups (1) or pinned ones, as NCCL asks (0, the default). */
-AMEM_EXPORT void amem_hb_set_pageable(int on) { pageable_on = on ? 1 : 0; }
+/* New backups pinned by registration (1) or by the driver's cuMemHostAlloc, as NCCL
+ * asks (0). The Python side turns it on only for the NCCL releases read. */
+AMEM_EXPORT void amem_hb_set_registered(int on) { register_on = on ? 1 : 0; }
 
 /* Unpin every kept block (policy close, exit); the bytes unpinned. */
 AMEM_EXPORT uint64_t amem_hb_release(void) { return trim(0); }
@@ -276,5 +302,5 @@ AMEM_EXPORT void amem_hb_stats(amem_hb_stats_t* out) {
   out->lookups = __atomic_load_n(&amem_hb_lookups, __ATOMIC_RELAXED);
   out->unknown = __atomic_load_n(&amem_hb_unknown, __ATOMIC_RELAXED);
   out->reuse_on = (uint64_t)reuse_on;
-  out->pageable_on = (uint64_t)pageable_on;
+  out->registered_on = (uint64_t)register_on;
 }

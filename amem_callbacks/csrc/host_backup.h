@@ -27,6 +27,8 @@ typedef void* CUcontext;
 typedef CUresult (*cu_host_alloc_fn)(void** pp, size_t bytesize, unsigned int flags);
 typedef CUresult (*cu_free_host_fn)(void* p);
 typedef CUresult (*cu_ctx_current_fn)(CUcontext* ctx);
+typedef CUresult (*cu_host_register_fn)(void* p, size_t bytesize, unsigned int flags);
+typedef CUresult (*cu_host_unregister_fn)(void* p);
 
 /* backup_pool.c: the driver functions the runtime asked for, wrapped */
 CUresult amem_hb_host_alloc(void** pp, size_t bytesize, unsigned int flags);
@@ -38,6 +40,9 @@ void* amem_hb_memset(void* s, int c, size_t n);
  * what the runtime should call instead (the same pointer when it is not ours). */
 void* amem_hb_substitute(const char* symbol, void* real);
 
+/* lookup_hook.c: a driver entry point from the cuGetProcAddress NCCL's runtime uses
+ * (NULL before that runtime reached the driver, or where the driver has none) */
+void* amem_hb_driver_entry(const char* symbol);
 /* lookup_hook.c: counts of what the answers saw */
 extern volatile uint64_t amem_hb_lookups;  /* driver look-ups answered */
 extern volatile uint64_t amem_hb_unknown;  /* look-ups whose answer was not recognised */
@@ -48,17 +53,16 @@ typedef struct amem_hb_stats_t {
   uint64_t reused, reused_bytes;           /* allocations answered from kept blocks */
   uint64_t pinned_new, pinned_new_bytes;   /* allocations that pinned fresh memory */
   uint64_t unpinned, unpinned_bytes;       /* blocks really freed (unpinned) */
-  uint64_t pin_ns, unpin_ns;               /* time spent in the driver pinning/unpinning */
+  uint64_t pin_ns, unpin_ns;               /* time spent pinning/unpinning (pages included) */
   uint64_t lookups, unknown;               /* driver look-ups answered / not recognised */
   uint64_t alloc_wrapped, free_wrapped;    /* the runtime got our functions (0/1) */
   uint64_t limit_bytes, reuse_on;
   uint64_t suspend_windows, resume_windows;/* windows opened so far */
   uint64_t zero_skipped, zero_skipped_bytes;/* zeroings of reused backups left out */
-  /* pageable blocks (an experiment, off by default: amem_hb_set_pageable) */
-  uint64_t pageable_new, pageable_new_bytes;/* new backups that were pageable, not pinned */
-  uint64_t populate_ns;                    /* time spent getting their pages */
-  uint64_t unmapped, unmapped_bytes;       /* pageable blocks really freed */
-  uint64_t pageable_on;
+  /* new blocks pinned by registration (amem_hb_set_registered), counted in pinned_new too */
+  uint64_t registered_new, registered_new_bytes;
+  uint64_t register_failed;                /* registrations the driver refused (then off) */
+  uint64_t registered_on;
 } amem_hb_stats_t;
 
 #endif

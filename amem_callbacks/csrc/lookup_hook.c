@@ -80,6 +80,19 @@ static void learn_driver(void* handle) {
   if (!real_gpa_v2) real_gpa_v2 = (gpa_v2_fn)dlsym(handle, "cuGetProcAddress_v2");
 }
 
+/* The driver's own entry point `symbol` (CUDA 12's ABI), asked of the same
+ * cuGetProcAddress NCCL's runtime reached: not passed through answer_for. */
+void* amem_hb_driver_entry(const char* symbol) {
+  void* pfn = NULL;
+  int status = 0;
+  if (real_gpa_v2) {
+    if (real_gpa_v2(symbol, &pfn, 12000, 0, &status) != 0) pfn = NULL;
+  } else if (real_gpa_v1) {
+    if (real_gpa_v1(symbol, &pfn, 12000, 0) != 0) pfn = NULL;
+  }
+  return pfn;
+}
+
 static int is_driver_lookup(void* handle, const char* name) {
   /* RTLD_DEFAULT/RTLD_NEXT depend on who calls; the runtime names libcuda's handle */
   return name && handle != RTLD_DEFAULT && handle != RTLD_NEXT &&

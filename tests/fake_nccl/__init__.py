@@ -65,7 +65,8 @@ def build_driver(out_dir: str = None) -> str:
 
 
 class FakeDriver:
-    """What reached the stand-in driver: pins, unpins, bytes pinned now, bad frees."""
+    """What reached the stand-in driver: pins, unpins, registrations, bytes pinned now,
+    bad frees."""
 
     def __init__(self, path: str):
         self.lib = ctypes.CDLL(path)
@@ -87,6 +88,14 @@ class FakeDriver:
     @property
     def bad_frees(self) -> int:
         return self.lib.fakeCudaCount(3)
+
+    @property
+    def registers(self) -> int:
+        return self.lib.fakeCudaCount(4)
+
+    @property
+    def unregisters(self) -> int:
+        return self.lib.fakeCudaCount(5)
 
 
 class FakeControls:
