@@ -50,6 +50,14 @@ def make_policy(settings: AmemSettings):
 
 
 # --- the training-worker side ---------------------------------------------
+# Where a suspend comes (amem/verl/<seam> counts each), and the call it is made in.
+BEFORE_KV_CACHE = "suspends_before_kv_cache"    # update_weights, right before the KV wake-up
+WITHOUT_KV_CACHE = "suspends_without_kv_cache"  # update_weights' end, free_cache_engine off
+BEFORE_LAUNCH = "suspends_before_launch"        # the driver launches the rollout servers
+SEAM_CALLS = {BEFORE_KV_CACHE: "update_weights", WITHOUT_KV_CACHE: "update_weights",
+              BEFORE_LAUNCH: "rollout server launch"}
+
+
 class WorkerSession(SessionViews):
     """The rollout phase of one training-worker process. ``suspend``, ``rollout_ended`` and
     ``resume`` are collective: the driver sends each worker call to every rank, and the
@@ -70,23 +78,23 @@ class WorkerSession(SessionViews):
         """"begin"/"end" -> the last finished report of each."""
         return {kind: r for kind, r in (("begin", self.last_begin), ("end", self.last_end)) if r}
 
-    def suspend(self, kv_cache_next: bool = True) -> None:
-        """Suspend the idle groups and return once they are free. With the KV cache
-        next, wait until the memory is free on every rank, not only here: a
-        replica's leader wakes the KV cache on all of the replica's GPUs, and with
-        ``keep: [world]`` no suspended group need contain its peers."""
+    def suspend(self, seam: str = BEFORE_KV_CACHE) -> None:
+        """Suspend the idle groups and return once they are free. Where memory is
+        taken next (``seam`` not ``WITHOUT_KV_CACHE``), wait until it is free on every
+        rank, not only here: a replica's leader wakes the KV cache on all of the
+        replica's GPUs, and with ``keep: [world]`` no suspended group need contain
+        its peers."""
         with self._lock:
-            self.seams["suspends_before_kv_cache" if kv_cache_next
-                       else "suspends_without_kv_cache"] += 1
-            report = self.session.start("update_weights", need_bytes=None)
+            self.seams[seam] += 1
+            report = self.session.start(SEAM_CALLS[seam], need_bytes=None)
             self.session.tell_headroom("actor_rollout_ref.rollout.gpu_memory_utilization",
                                        self.gpu_memory_utilization, report)
-            if kv_cache_next:
+            if seam != WITHOUT_KV_CACHE:
                 late = self.session.store_barrier("verl-suspended")  # rounds number the calls
                 if late:
                     logger.warning("amem_callbacks: rank(s) %s had not freed their NCCL memory "
-                                   "within %g s; the KV cache may come back before it is free",
-                                   late, self.policy.options.agree_timeout_s)
+                                   "within %g s; the rollout's memory may be taken before it is "
+                                   "free", late, self.policy.options.agree_timeout_s)
 
     def rollout_ended(self) -> bool:
         """The driver says rollout is over: start resuming in the background."""
@@ -123,8 +131,9 @@ def current_session() -> Optional[WorkerSession]:
 
 
 def _session_for(worker) -> Optional[WorkerSession]:
-    """The session, decided at the worker's first weight update from its config; there
-    rather than in init_model because the groups exist by then, to check ``keep`` against."""
+    """The session, decided at the worker's first call after init_model (the servers'
+    launch, or the first weight update) from its config: the groups exist by then, to
+    check ``keep`` against."""
     global _session, _session_decided
     if not _session_decided:
         settings = read_settings(worker.config.rollout.get("custom"))
@@ -179,11 +188,28 @@ async def _suspend_at_kv_cache(method, self, *args, **kwargs):
     finally:
         for_this_call.undo()
     if not fired:  # free_cache_engine off: no KV cache comes back, suspend now
-        await asyncio.to_thread(session.suspend, False)
+        await asyncio.to_thread(session.suspend, WITHOUT_KV_CACHE)
     return result
 
 
-# The two methods the driver calls on the actor worker group (added to it).
+def _shares_gpus(worker) -> bool:
+    """Trainer and rollout on the same GPUs (the naive checkpoint engine)."""
+    backend = worker.config.rollout.checkpoint_engine.backend
+    return backend == "naive" and getattr(worker, "rollout", None) is not None
+
+
+# The three methods the driver calls on the actor worker group (added to it).
+def amem_rollout_launching(self):
+    """The driver launches the rollout servers next: their engines allocate their
+    weights and KV cache at once, beside this worker's live groups; suspend first.
+    The driver's sleep_replicas that follows the launch ends the phase."""
+    session = _session_for(self)
+    if session is None or not _shares_gpus(self):
+        return False
+    session.suspend(BEFORE_LAUNCH)
+    return True
+
+
 def amem_rollout_ended(self):
     """Rollout is over (driver): start resuming in the background."""
     return _session.rollout_ended() if _session is not None else False
@@ -203,11 +229,18 @@ class _Driver:
         self.worker_groups: list = []
 
     def rollout_ended(self, worker_group) -> None:
-        method = getattr(worker_group, "amem_rollout_ended", None)
+        self._call(worker_group, "amem_rollout_ended", "groups resume at the next training "
+                   "call instead")
+
+    def rollout_launching(self, worker_group) -> None:
+        self._call(worker_group, "amem_rollout_launching", "the servers' first KV cache is "
+                   "allocated beside the live NCCL groups")
+
+    def _call(self, worker_group, name: str, otherwise: str) -> None:
+        method = getattr(worker_group, name, None)
         if method is None:
-            warn_once("no method", "amem_callbacks: the actor worker group has no "
-                       "amem_rollout_ended (the hooks were installed after it was built): "
-                       "groups resume at the next training call instead")
+            warn_once(f"no {name}", "amem_callbacks: the actor worker group has no %s (the "
+                      "hooks were installed after it was built): %s", name, otherwise)
             return
         if not any(wg is worker_group for wg in self.worker_groups):
             self.worker_groups.append(worker_group)
@@ -231,6 +264,14 @@ async def _signal_after_sleep(method, self, *args, **kwargs):
     if _driver.enabled:
         await asyncio.to_thread(_driver.rollout_ended, self.actor_wg)
     return result
+
+
+async def _suspend_before_launch(method, self, *args, **kwargs):
+    """LLMServerManager._initialize_llm_servers: a hybrid launch (the training workers'
+    GPUs) allocates every engine's KV cache; the training groups are suspended first."""
+    if _driver.enabled and getattr(self, "worker_group", None) is not None:
+        await asyncio.to_thread(_driver.rollout_launching, self.worker_group)
+    return await method(self, *args, **kwargs)
 
 
 def _log_with_metrics(method, self, data, step, *args, **kwargs):
@@ -269,7 +310,7 @@ def _patch_engine_workers(module) -> None:
     worker = module.ActorRolloutRefWorker
     patches.wrap(worker, "update_weights", _suspend_at_kv_cache, required=True)
     patches.wrap(worker, "init_model", before=_validate_first, required=True)
-    for method in (amem_rollout_ended, amem_metrics):
+    for method in (amem_rollout_launching, amem_rollout_ended, amem_metrics):
         method = register(dispatch_mode=Dispatch.ONE_TO_ALL)(method)
         # named where it now lives, so that cloudpickle sends it by reference: by value,
         # a copy would read this module's _session as it was in the driver (None)
@@ -302,6 +343,9 @@ def _hook_failed(name: str, exc: Exception) -> None:
 _hooks = ImportHooks({
     "verl.workers.engine_workers": _patch_engine_workers,
     "verl.checkpoint_engine.base": _patch_checkpoint_engine,
+    "verl.workers.rollout.llm_server": lambda module: _hooks.patches.wrap(
+        module.LLMServerManager, "_initialize_llm_servers", _suspend_before_launch,
+        required=True),
     "verl.utils.tracking": lambda module: _hooks.patches.wrap(
         module.Tracking, "log", _log_with_metrics, required=True),
     "verl.workers.config.rollout": lambda module: _hooks.patches.wrap(

@@ -71,12 +71,15 @@ def hook_report() -> dict:
     from verl.utils.tracking import Tracking
     from verl.workers.config import RolloutConfig
     from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
+    from verl.workers.rollout.llm_server import LLMServerManager
 
     # Listed here, not imported from the adapter: importing it would install the hooks.
     out = {f"ActorRolloutRefWorker.{n}": hooked(getattr(ActorRolloutRefWorker, n, None))
            for n in ("compute_log_prob", "compute_ref_log_prob", "update_actor",
                      "save_checkpoint", "load_checkpoint", "update_weights", "init_model",
-                     "amem_rollout_ended", "amem_metrics")}
+                     "amem_rollout_launching", "amem_rollout_ended", "amem_metrics")}
+    out["LLMServerManager._initialize_llm_servers"] = hooked(
+        LLMServerManager._initialize_llm_servers)
     out.update({f"TrainingWorker.{n}": hooked(getattr(TrainingWorker, n))
                 for n in ("train_batch", "train_mini_batch", "infer_batch", "save_checkpoint",
                           "load_checkpoint")})
@@ -110,7 +113,8 @@ def entry_point(args):
             "update_weights_async": inspect.iscoroutinefunction(
                 ActorRolloutRefWorker.update_weights),
             "dispatch": {n: str(getattr(getattr(ActorRolloutRefWorker, n), MAGIC_ATTR))
-                         for n in ("amem_rollout_ended", "amem_metrics", "update_weights")},
+                         for n in ("amem_rollout_launching", "amem_rollout_ended",
+                                   "amem_metrics", "update_weights")},
             "bound": bound}
 
 
@@ -247,6 +251,25 @@ class StandInReplica:
         self.record("replica.sleep")
 
 
+def launching_replica_class(record: Recorder):
+    """A rollout replica whose hybrid launch records the groups suspended when its
+    engine would allocate its weights and KV cache (verl's replicas, Ray left out)."""
+
+    class LaunchingReplica:
+        def __init__(self, replica_rank, config, model_config, gpus_per_node):
+            self.replica_rank = replica_rank
+
+        async def init_hybrid(self, worker_group):
+            record("replica.launch (weights and KV cache allocated)")
+            self._server_handle, self._server_address = None, f"replica-{self.replica_rank}"
+
+        async def init_standalone(self):  # on GPUs of its own
+            record("replica.launch standalone")
+            self._server_handle, self._server_address = None, f"replica-{self.replica_rank}"
+
+    return LaunchingReplica
+
+
 class LocalWorkerGroup:
     """The actor worker group as the driver sees it (Ray left out): each call runs the
     worker's registered method on this rank and returns the per-rank list."""
@@ -254,6 +277,11 @@ class LocalWorkerGroup:
     def __init__(self, worker):
         self.worker = worker
         self.calls: list = []
+        self.world_size = dist.get_world_size()  # the group's ranks (one replica of 2)
+
+    def amem_rollout_launching(self):
+        self.calls.append("amem_rollout_launching")
+        return [self.worker.amem_rollout_launching()]
 
     def amem_rollout_ended(self):
         self.calls.append("amem_rollout_ended")
@@ -357,6 +385,9 @@ def worker_cycle(args):
     from amem_callbacks import OffloadPolicy
 
     overrides = [f"actor_rollout_ref.rollout.free_cache_engine={args['free_cache_engine']}"]
+    hybrid = args["mode"] == "naive"  # else the rollout has GPUs of its own: one node
+    overrides += [] if hybrid else ["actor_rollout_ref.rollout.nnodes=1",
+                                    "actor_rollout_ref.rollout.n_gpus_per_node=2"]
     if args["amem"] != "absent":
         enable = "true" if args["amem"] == "on" else "false"
         overrides += [f"+actor_rollout_ref.rollout.custom.amem.enable={enable}",
@@ -406,7 +437,16 @@ def worker_cycle(args):
         asyncio.run(worker.update_weights(global_steps=step, mode=args["mode"]))
         record("driver: update_weights returned")
 
-    # RayPPOTrainer.init_workers, then fit(): load, first weight sync.
+    # RayPPOTrainer.init_workers: verl's own LLMServerManager launches the servers (its
+    # replica class a stand-in), then the checkpoint manager puts them to sleep; fit():
+    # load, first weight sync.
+    from verl.workers.rollout.llm_server import LLMServerManager
+
+    class ServerManager(LLMServerManager):
+        rollout_replica_class = launching_replica_class(record)
+
+    servers = ServerManager(cfg, worker_group=manager.actor_wg if hybrid else None)
+    asyncio.run(servers._initialize_llm_servers())
     manager.sleep_replicas()
     worker.load_checkpoint("/nonexistent")
     update_weights(0)

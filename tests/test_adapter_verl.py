@@ -108,8 +108,8 @@ def test_importing_verl_in_a_fresh_process_installs_the_hooks_via_the_entry_poin
     assert res["before"] is False and res["loaded_by_verl"] is True
     assert res["hooks"] and all(res["hooks"].values()), res["hooks"]
     assert res["update_weights_async"] is True
-    assert "ONE_TO_ALL" in res["dispatch"]["amem_rollout_ended"]
-    assert "ONE_TO_ALL" in res["dispatch"]["amem_metrics"]
+    for added in ("amem_rollout_launching", "amem_rollout_ended", "amem_metrics"):
+        assert "ONE_TO_ALL" in res["dispatch"][added], added
     # what create_colocated_worker_cls binds on the driver: our methods, update_weights still async
     assert res["bound"]["actor_rollout_ref_amem_rollout_ended"] is False
     assert res["bound"]["actor_rollout_ref_update_weights"] is True
@@ -163,25 +163,31 @@ def test_fsdp_suspends_after_the_handoff_before_the_kv_cache_and_resumes_when_ro
                      ("amem.end on asyncio_0", ALL)]  # the driver's sleep_replicas thread: resumes start
                     + [(label, []) for label in training(first, save=not first)] + sync())
 
-        expected = ([("replica.sleep", []), ("actor.load_checkpoint", [])] + sync()
+        # the servers' launch allocates their KV cache: suspended before it, resumed at
+        # the sleep_replicas that follows it
+        launch = [("amem.begin", []), ("replica.launch (weights and KV cache allocated)", ALL),
+                  ("replica.sleep", ALL), ("amem.end on asyncio_0", ALL)]
+        expected = (launch + [("actor.load_checkpoint", [])] + sync()
                     + step(True) + step(False))
         assert [tuple(e) for e in res["events"]] == expected
         counters = res["session"]["counters"]
-        assert counters["amem/total/begins"] == 3 and counters["amem/total/ends"] == 2
-        assert counters["amem/total/group_suspends"] == 3 * len(ALL)
-        assert counters["amem/total/group_resumes"] == 2 * len(ALL)
+        assert counters["amem/total/begins"] == 4 and counters["amem/total/ends"] == 3
+        assert counters["amem/total/group_suspends"] == 4 * len(ALL)
+        assert counters["amem/total/group_resumes"] == 3 * len(ALL)
         assert counters["amem/total/auto_resumes"] == 0 and counters["amem/total/failures"] == 0
-        assert res["driver_calls"] == ["amem_rollout_ended", "amem_rollout_ended", "amem_metrics",
+        assert res["driver_calls"] == ["amem_rollout_launching", "amem_rollout_ended",
+                                       "amem_rollout_ended", "amem_metrics",
                                        "amem_rollout_ended", "amem_metrics"]
         (step1, log1), (step2, log2) = res["logged"]
         assert (step1, step2) == (1, 2) and log1["training/global_step"] == 1
         assert log1["amem/begin/groups_suspended"] == len(ALL)
         assert log1["amem/end/groups_resumed"] == len(ALL)
-        assert (log1["amem/total/begins"], log2["amem/total/begins"]) == (2, 3)
+        assert (log1["amem/total/begins"], log2["amem/total/begins"]) == (3, 4)
         # where they came, in verl's own tracking: every suspend right before the KV
         # cache, every end at the driver's sleep_replicas, none left to a training call
         assert log2["amem/verl/suspends_before_kv_cache"] == 3
-        assert log2["amem/verl/ends_at_sleep_replicas"] == 2
+        assert log2["amem/verl/suspends_before_launch"] == 1
+        assert log2["amem/verl/ends_at_sleep_replicas"] == 3
         assert log2["amem/verl/ends_at_training_call"] == 0
         assert "amem/verl/suspends_without_kv_cache" not in log2
         assert log2["amem/begin/nccl_bytes"] == len(ALL) * 480 * 2**20
@@ -199,20 +205,26 @@ def test_megatron_without_kv_cache_release_suspends_at_the_end_of_the_update():
             # no early signal: the first training call resumes (the critic's in step 2)
             return ["rollout", "amem.end on MainThread"] + training(first, save=not first) + sync
 
-        assert labels(events) == (["replica.sleep", "actor.load_checkpoint"] + sync
+        launch = ["amem.begin", "replica.launch (weights and KV cache allocated)",
+                  "replica.sleep", "amem.end on asyncio_0"]
+        assert labels(events) == (launch + ["actor.load_checkpoint"] + sync
                                   + step(True) + step(False))
         for label, down in events:
             if label.startswith("actor.export") or label == "amem.begin":
                 assert down == [], f"{label}: the hand-off groups must be active"
-            if label in ("driver: update_weights returned", "rollout", "amem.end on MainThread"):
+            if label in ("driver: update_weights returned", "rollout", "amem.end on MainThread",
+                         "replica.launch (weights and KV cache allocated)", "replica.sleep"):
                 assert down == ALL, label
         # the strict guard saw no call on a suspended one
         counters = res["session"]["counters"]
-        assert counters["amem/total/begins"] == 3 and counters["amem/total/ends"] == 2
+        assert counters["amem/total/begins"] == 4 and counters["amem/total/ends"] == 3
         assert counters["amem/total/auto_resumes"] == 0 and counters["amem/total/failures"] == 0
-        assert res["driver_calls"] == ["amem_rollout_ended", "amem_metrics", "amem_metrics"]
+        assert res["driver_calls"] == ["amem_rollout_launching", "amem_rollout_ended",
+                                       "amem_metrics", "amem_metrics"]
         seams = {k: v for k, v in res["session"]["metrics"].items() if k.startswith("amem/verl/")}
         assert seams == {"amem/verl/suspends_without_kv_cache": 3,
+                         "amem/verl/suspends_before_launch": 1,
+                         "amem/verl/ends_at_sleep_replicas": 1,
                          "amem/verl/ends_at_training_call": 2}
 
 
@@ -229,6 +241,8 @@ def test_a_disaggregated_checkpoint_engine_suspends_nothing():
     for res in cycle(mode="nccl"):
         events = res["events"]
         assert "checkpoint_engine.send_weights 1 tensors" in labels(events)
+        # the servers launched on GPUs of their own: nothing suspended for it
+        assert labels(events)[0] == "replica.launch standalone"
         assert not any(label.startswith("amem") for label in labels(events))
         assert all(down == [] for _label, down in events)
         assert res["session"]["counters"]["amem/total/begins"] == 0
@@ -300,7 +314,8 @@ def test_the_worker_classes_ray_ships_pickle_with_the_wrappers_in_place():
     from amem_callbacks.patching import is_wrapped, original_of
 
     adapter.install()
-    hooked = ("update_weights", "init_model", "amem_rollout_ended", "amem_metrics")
+    hooked = ("update_weights", "init_model", "amem_rollout_launching", "amem_rollout_ended",
+              "amem_metrics")
     assert all(is_wrapped(ActorRolloutRefWorker.__dict__[name]) for name in hooked)
     worker = RayClassWithInitArgs(cls=ray.remote(ActorRolloutRefWorker), config=None,
                                   role="actor_rollout")

@@ -138,9 +138,10 @@ def _write_run(out, name, amem, losses, last=None, ok=True):
 
 
 def _amem_last(**change):
-    figures = {"amem/total/begins": 21, "amem/total/ends": 20, "amem/total/group_suspends": 42,
+    figures = {"amem/total/begins": 22, "amem/total/ends": 21, "amem/total/group_suspends": 44,
                "amem/total/auto_resumes": 0, "amem/total/failures": 0,
-               "amem/verl/suspends_before_kv_cache": 21, "amem/verl/ends_at_sleep_replicas": 20,
+               "amem/verl/suspends_before_kv_cache": 21, "amem/verl/suspends_before_launch": 1,
+               "amem/verl/ends_at_sleep_replicas": 21,
                "amem/begin/nccl_bytes": 300 << 20, "amem/begin/gpu_wide_freed_bytes": 580 << 20}
     figures.update(change)
     return figures
@@ -158,6 +159,8 @@ def test_verify_reads_item_2_from_the_records_and_names_each_check_that_fails(tm
     for change, check in ((dict(**{"amem/verl/ends_at_training_call": 3}), "ended_at_sleep_replicas"),
                           (dict(**{"amem/verl/suspends_before_kv_cache": 0}),
                            "suspended_before_every_kv_wake_up"),
+                          (dict(**{"amem/verl/suspends_before_launch": 0,
+                                   "amem/total/begins": 21}), "suspended_before_launch"),
                           (dict(**{"amem/total/auto_resumes": 1}), "no_guard_resume"),
                           (dict(**{"amem/begin/gpu_wide_freed_bytes": 10 << 20}),
                            "memory_freed_before_kv")):

@@ -299,8 +299,11 @@ def verify(out: str, steps: int = 20) -> dict:
             # amem_metrics went through the worker group into verl's Tracking.log
             "amem_figures_in_tracking": bool(r.get("amem_keys")),
             "a_begin_every_step": all(b is not None for b in r.get("amem_begins", [None])),
-            "suspended_before_every_kv_wake_up":
-                begins >= steps and get("amem/verl/suspends_before_kv_cache") == begins,
+            # every begin before a KV cache: each wake-up's, and the servers' launch
+            "suspended_before_every_kv_wake_up": begins >= steps and get(
+                "amem/verl/suspends_before_kv_cache") + get("amem/verl/suspends_before_launch")
+            == begins,
+            "suspended_before_launch": get("amem/verl/suspends_before_launch") >= 1,
             "groups_suspended": get("amem/total/group_suspends") > 0,
             # amem_rollout_ended, dispatched by the driver after sleep_replicas
             "ended_at_sleep_replicas": get("amem/verl/ends_at_sleep_replicas")
