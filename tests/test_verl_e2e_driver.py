@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import sys
 
 import pytest
@@ -175,3 +176,46 @@ def test_verify_reads_item_2_from_the_records_and_names_each_check_that_fails(tm
     # one run without the package is no yardstick for the losses
     (tmp_path / "base-1" / "record.json").unlink()
     assert not e2e.verify(str(tmp_path), steps)["ok"]
+
+
+def test_the_ballast_holds_until_killed_and_a_failed_one_says_why(monkeypatch):
+    # the holder's script stands in for torch's allocation on card 0
+    monkeypatch.setattr(e2e, "BALLAST", "import sys, time\nprint('held', sys.argv[1], "
+                        "flush=True)\ntime.sleep(60)\n")
+    assert e2e.hold_ballast(0) is None
+    holder = e2e.hold_ballast(1.5)
+    try:
+        assert holder.poll() is None  # still holding
+    finally:
+        holder.kill()
+        holder.wait(10)
+    monkeypatch.setattr(e2e, "BALLAST", "raise SystemExit('CUDA out of memory')\n")
+    with pytest.raises(RuntimeError, match="did not hold: .*CUDA out of memory"):
+        e2e.hold_ballast(1.0, timeout_s=30)
+
+
+def test_kv_tokens_follow_the_fixtures_model(fixture):
+    # 2 layers x 2 KV heads x 64 dims, K and V, bf16
+    assert e2e.kv_bytes_per_token(fixture) == 2 * 2 * 2 * 64 * 2
+    assert e2e.kv_bytes_per_token("/nonexistent") is None
+
+
+def test_the_cards_peak_is_the_most_nvidia_smi_reported(monkeypatch):
+    answers = iter(["1000, 81559\n", "5000, 81559\n", "3000, 81559\n"])
+
+    def smi(command, **kwargs):
+        assert command == e2e.PeakUsed.QUERY
+        try:
+            return subprocess.CompletedProcess(command, 0, next(answers), "")
+        except StopIteration:
+            raise OSError("no more")
+    monkeypatch.setattr(e2e.subprocess, "run", smi)
+    peak = e2e.PeakUsed(every_s=0.01)
+    peak.start()
+    peak.join(10)  # ends when the answers run out
+    assert peak.stop() == {"peak_used_mib": 5000, "total_mib": 81559}
+    # no nvidia-smi at all (the CPU): nothing seen, said as None
+    monkeypatch.setattr(e2e.subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(OSError()))
+    empty = e2e.PeakUsed(every_s=0.01)
+    empty.start()
+    assert empty.stop() == {"peak_used_mib": None, "total_mib": None}

@@ -4,6 +4,7 @@ servers on one GPU, with and without ``+actor_rollout_ref.rollout.custom.amem.en
     python3 tests/gpu/verl_e2e.py fixture DIR           # model, tokenizer, data, reward (CPU ok)
     python3 tests/gpu/verl_e2e.py check DIR [--amem]    # the job's config, composed and checked
     python3 tests/gpu/verl_e2e.py run OUT NAME --fixture DIR [--amem] [--share U] [--steps N]
+                                      [--kv-gib G] [--ballast-gib B]
 
 The job (the overrides below, each for a reason read from verl 0.9.1's sources): a Qwen2
 of 2 layers built in code (no hub download), GRPO, 2 FSDP2 training ranks and one vLLM
@@ -18,6 +19,13 @@ CUDA_VISIBLE_DEVICES=0 (its runtime env), so both ranks and both vLLM servers us
 >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1 lets the two ranks share a communicator there.
 The launching shell must not set CUDA_VISIBLE_DEVICES (Ray refuses 2 GPUs beside one
 visible id).
+
+``--kv-gib`` sizes each engine's KV cache (``kv_cache_memory_bytes``); ``--ballast-gib``
+holds that much of the card in a process of its own for the job's length, so that the
+card is as full as a real job's (the fixture's model leaves it nearly empty): the KV
+size that still starts and runs is then the yardstick, with and without the package
+(issue 59's method; the package's suspend before the servers' launch is what lets a
+larger one start).
 
 Out, per run: OUT/NAME/{metrics.jsonl, log.txt, record.json} (record: rc, seconds, the
 command, commit, machine, per-step figures, whether it ran out of memory).
@@ -230,15 +238,74 @@ def first_seen(log: str) -> dict:
     return seen
 
 
+#: the ballast: a process that holds N bytes of card 0 until it is killed
+BALLAST = ("import sys, time, torch\n"
+           "held = torch.empty(int(sys.argv[1]), dtype=torch.uint8, device='cuda:0')\n"
+           "print('held', held.numel(), flush=True)\n"
+           "time.sleep(1e9)\n")
+
+
+def hold_ballast(gib: float, timeout_s: float = 120):
+    """Start the ballast and return it once it holds ``gib`` GiB (None for 0); raises
+    RuntimeError with its output when it could not."""
+    if gib <= 0:
+        return None
+    proc = subprocess.Popen([sys.executable, "-c", BALLAST, str(int(gib * 2**30))],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    reader = threading.Thread(target=lambda: lines.append(proc.stdout.readline()), daemon=True)
+    lines: list = []
+    reader.start()
+    reader.join(timeout_s)
+    if not (lines and lines[0].startswith(b"held")):
+        proc.kill()
+        rest = proc.communicate(timeout=30)[0] or b""
+        raise RuntimeError(f"the ballast of {gib} GiB did not hold: "
+                           f"{(b''.join(lines) + rest).decode(errors='replace')[-500:]}")
+    return proc
+
+
+class PeakUsed(threading.Thread):
+    """Card 0's used memory, polled through nvidia-smi once a second (the driver holds no
+    CUDA context): the most seen, MiB, or None without nvidia-smi. What a ballast for a
+    fuller card is chosen from."""
+
+    QUERY = ["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader,nounits",
+             "-i", "0"]
+
+    def __init__(self, every_s: float = 1.0):
+        super().__init__(daemon=True)
+        self.every_s, self.peak_mib, self.total_mib = every_s, None, None
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            try:
+                used, total = subprocess.run(self.QUERY, capture_output=True, text=True,
+                                             timeout=10).stdout.split(",")[:2]
+                self.peak_mib = max(self.peak_mib or 0, int(used))
+                self.total_mib = int(total)
+            except (OSError, ValueError, subprocess.SubprocessError):
+                return  # no nvidia-smi (the CPU) or an answer not read: nothing more to see
+            self.done.wait(self.every_s)
+
+    def stop(self) -> dict:
+        self.done.set()
+        self.join(15)
+        return {"peak_used_mib": self.peak_mib, "total_mib": self.total_mib}
+
+
 def run(out: str, name: str, fixture: str, amem: bool, share: float, steps: int,
-        timeout_s: float) -> dict:
+        timeout_s: float, kv_gib: float = KV_BYTES / 2**30, ballast_gib: float = 0.0) -> dict:
     folder = os.path.join(out, name)
     os.makedirs(folder, exist_ok=True)
     metrics = os.path.join(folder, "metrics.jsonl")
     command = [sys.executable, "-m", "verl.trainer.main_ppo",
-               *overrides(fixture, amem, share, steps),
+               *overrides(fixture, amem, share, steps, kv_bytes=int(kv_gib * 2**30)),
                f"trainer.experiment_name={name}", "trainer.project_name=amem_e2e"]
     env = dict(environment(), VERL_FILE_LOGGER_PATH=metrics)
+    ballast = hold_ballast(ballast_gib)
+    peak = PeakUsed()
+    peak.start()
     began = time.monotonic()
     with open(os.path.join(folder, "log.txt"), "w") as log:
         proc = subprocess.Popen(command, cwd=folder, env=env, stdout=subprocess.PIPE,
@@ -260,12 +327,31 @@ def run(out: str, name: str, fixture: str, amem: bool, share: float, steps: int,
             subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"],
                            capture_output=True)
             copier.join(timeout=30)
+            card = peak.stop()  # the ballast's memory included
+            if ballast is not None:
+                ballast.kill()
+                ballast.wait(30)
     with open(os.path.join(folder, "log.txt"), errors="replace") as f:
         text = f.read()
     result = record(name, amem, share, command, rc, time.monotonic() - began, text, metrics)
+    per_token = kv_bytes_per_token(fixture)
+    result.update(kv_gib=kv_gib, ballast_gib=ballast_gib,
+                  kv_tokens=int(kv_gib * 2**30) // per_token if per_token else None, **card)
     with open(os.path.join(folder, "record.json"), "w") as f:
         json.dump(result, f, indent=1)
     return result
+
+
+def kv_bytes_per_token(fixture: str) -> int:
+    """A token's K and V over every layer, in the model's dtype (bf16): what vLLM's KV
+    cache holds per token for this model (None without the fixture's config)."""
+    try:
+        with open(os.path.join(fixture, "model", "config.json")) as f:
+            c = json.load(f)
+    except OSError:
+        return None
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 2
 
 
 def _mean_gap(a: list, b: list) -> Optional[float]:
@@ -343,6 +429,10 @@ def main(argv=None) -> int:
     p.add_argument("--share", type=float, default=0.15)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--timeout-s", type=float, default=540)
+    p.add_argument("--kv-gib", type=float, default=KV_BYTES / 2**30,
+                   help="each engine's KV cache (vLLM's kv_cache_memory_bytes), GiB")
+    p.add_argument("--ballast-gib", type=float, default=0.0,
+                   help="GiB of the card held by a process of its own for the job's length")
     args = parser.parse_args(argv)
     if args.command == "fixture":
         print(json.dumps(make_fixture(args.folder)))
@@ -357,9 +447,10 @@ def main(argv=None) -> int:
                           "strategy": config.actor_rollout_ref.actor.strategy}))
     else:
         result = run(args.out, args.name, args.fixture, args.amem, args.share, args.steps,
-                     args.timeout_s)
+                     args.timeout_s, args.kv_gib, args.ballast_gib)
         print(json.dumps({k: result[k] for k in ("name", "rc", "ok", "oom", "steps", "seconds",
-                                                 "amem_keys")}))
+                                                 "kv_gib", "kv_tokens", "ballast_gib",
+                                                 "peak_used_mib", "amem_keys")}))
         return 0 if result["ok"] else 1
     return 0
 
