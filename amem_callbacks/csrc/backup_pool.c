@@ -115,7 +115,11 @@ static int register_new(void** pp, size_t size, unsigned int flags) {
   if (!real_register || !real_unregister) {
     real_register = (cu_host_register_fn)amem_hb_driver_entry("cuMemHostRegister");
     real_unregister = (cu_host_unregister_fn)amem_hb_driver_entry("cuMemHostUnregister");
-    if (!real_register || !real_unregister) { register_on = 0; return -1; }
+    if (!real_register || !real_unregister) { /* a driver without them: never again */
+      __atomic_add_fetch(&st.register_failed, 1, __ATOMIC_RELAXED);
+      register_on = 0;
+      return -1;
+    }
   }
   block* b = malloc(sizeof *b);
   if (!b) return -1;
