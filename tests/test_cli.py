@@ -43,6 +43,16 @@ def test_doctor_json_names_the_backend_and_each_fix_and_exits_1_when_inert():
         assert inert and "no NCCL library is loaded" in report["backend_reason"]
 
 
+def test_doctor_says_how_new_host_blocks_are_pinned_and_flags_a_bad_kind():
+    report = json.loads(run("doctor", "--json", "--no-probe").stdout)
+    assert report["facts"]["host_backup_new_blocks"] == "registered"
+    bad = json.loads(run("doctor", "--json", "--no-probe",
+                         env={"AMEM_HOST_BACKUP_BLOCKS": "pinned"}).stdout)
+    assert "host_backup_new_blocks" not in bad["facts"]
+    (problem,) = [p for p in bad["problems"] if "AMEM_HOST_BACKUP_BLOCKS" in p["what"]]
+    assert "registered or allocated" in problem["fix"]
+
+
 def test_doctor_text_flags_amem_in_ld_preload_and_cumem_off(monkeypatch):
     monkeypatch.setenv("NCCL_CUMEM_ENABLE", "0")
     monkeypatch.setenv("LD_PRELOAD", "")

@@ -160,6 +160,11 @@ def _host_backup_facts(d: Diagnosis) -> None:
             "install a C compiler (gcc) and reinstall amem-callbacks"))
     elif host_backup.switched_off():
         d.facts["host_backup_hook"] += f" ({host_backup.ENV_SWITCH}=0: not used)"
+    try:  # how a new block is pinned (registered only for the NCCL releases read)
+        d.facts["host_backup_new_blocks"] = host_backup.blocks_asked()
+    except ValueError as bad:
+        d.problems.append(Problem(str(bad), f"unset {host_backup.ENV_BLOCKS}, or write "
+                                            f"{' or '.join(host_backup.BLOCK_KINDS)}"))
 
 
 def _pick(d: Diagnosis, amem_library: Optional[str]) -> None:
