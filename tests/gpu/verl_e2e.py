@@ -252,8 +252,8 @@ def hold_ballast(gib: float, timeout_s: float = 120):
         return None
     proc = subprocess.Popen([sys.executable, "-c", BALLAST, str(int(gib * 2**30))],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    lines: list = []  # its first line, read on a thread: a hung start must not hang us
     reader = threading.Thread(target=lambda: lines.append(proc.stdout.readline()), daemon=True)
-    lines: list = []
     reader.start()
     reader.join(timeout_s)
     if not (lines and lines[0].startswith(b"held")):
