@@ -168,7 +168,7 @@ async def _suspend_at_kv_cache(method, self, *args, **kwargs):
     await asyncio.to_thread(session.resume)
     mode = inspect.signature(method).bind(self, *args, **kwargs).arguments.get("mode", "auto")
     backend = mode if mode != "auto" else self.config.rollout.checkpoint_engine.backend
-    if backend != "naive" or getattr(self, "rollout", None) is None:
+    if not _shares_gpus(self, backend):
         warn_once(f"backend {backend}", "amem_callbacks: checkpoint_engine backend %r: "
                    "trainer and rollout do not share GPUs, nothing is suspended", backend)
         return await method(self, *args, **kwargs)
@@ -192,9 +192,10 @@ async def _suspend_at_kv_cache(method, self, *args, **kwargs):
     return result
 
 
-def _shares_gpus(worker) -> bool:
-    """Trainer and rollout on the same GPUs (the naive checkpoint engine)."""
-    backend = worker.config.rollout.checkpoint_engine.backend
+def _shares_gpus(worker, backend: Optional[str] = None) -> bool:
+    """Trainer and rollout on the same GPUs: the naive checkpoint engine (``backend``, or
+    the worker's configured one) and a rollout in this worker."""
+    backend = backend or worker.config.rollout.checkpoint_engine.backend
     return backend == "naive" and getattr(worker, "rollout", None) is not None
 
 
